@@ -94,6 +94,8 @@ def test_the_paper_scale_net_is_table_2_and_the_small_one_keeps_its_shape() -> N
     assert small(torch.zeros(2, 4, 28, 28)).shape == (2, 127)
     assert UvModel(small).embedding_dim == 1024 and not UvModel(small).has_bias
     assert [m.out_channels for m in small.features if isinstance(m, torch.nn.Conv2d)] == [8, 16, 32, 64, 1024]
+    narrow = UvModel(mnist_uv_net(127, width_divisor=8, narrow_head=True))
+    assert narrow.embedding_dim == 128
     with pytest.raises(ConfigError, match="width_divisor 3"):
         mnist_uv_net(10, width_divisor=3)
 

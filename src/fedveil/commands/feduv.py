@@ -2,8 +2,9 @@
 
 - ``fedveil feduv run [--scale small|paper] [--methods feduv,fedaws,softmax] [--code-lengths 127,255,511]
   [--out DIR] [--rounds N] [--writers N] [--unseen-writers N] [--train-examples N] [--fraction F]
-  [--width-divisor W] [--seed S] [--threads T] [--workers N] [--json]`` trains every method, writes the
-  run directory (:func:`fedveil.experiments.feduv_runner.run_feduv`) and prints the AUC table.
+  [--width-divisor W] [--narrow-head] [--seed S] [--threads T] [--workers N] [--json]`` trains every
+  method, writes the run directory (:func:`fedveil.experiments.feduv_runner.run_feduv`) and prints the
+  AUC table.
 - ``fedveil feduv bench [--clients N] [--width-divisor W] [--threads T] [--one-by-one] [--json]``
   measures FedAvg client updates per second on the MNIST-UV net.
 """
@@ -34,6 +35,9 @@ def register(subparsers: Any) -> None:
     r.add_argument("--train-examples", type=int, default=None, help="training examples per writer")
     r.add_argument("--fraction", type=float, default=None, help="fraction of users per round (epsilon)")
     r.add_argument("--width-divisor", type=int, default=None, help="divide Table 2's channels (1 = exact)")
+    r.add_argument(
+        "--narrow-head", action="store_true", default=None, help="divide the last block's 1024 channels too"
+    )
     r.add_argument("--seed", type=int, default=None, help="seed of data, model and protocol")
     r.add_argument("--threads", type=int, default=None, help="torch threads per process (default: 1)")
     r.add_argument("--workers", type=int, default=None, help="processes training methods side by side")
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         train_examples=args.train_examples,
         fraction=args.fraction,
         width_divisor=args.width_divisor,
+        narrow_head=args.narrow_head,
         seed=args.seed,
         threads=args.threads,
         workers=args.workers,

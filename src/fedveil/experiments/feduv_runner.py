@@ -13,12 +13,14 @@ Two scales (:data:`SCALES`):
 - ``paper``: Sec. 6: 1,000 writers (50 / 15 / 15 examples) and 1,000 unseen writers, the Table 2 net,
   20,000 rounds with 1% of the users each, one local epoch. Far beyond a 2-core machine (the Table 2 net
   does a few client updates per second there, :func:`bench_client_updates`).
-- ``small``: what runs in minutes per method on 2 cores: 50 writers and 50 unseen writers (the paper's
-  50 / 15 / 15 examples each) and a narrower net: the first four Table 2 blocks with their channels
-  divided by ``width_divisor = 8`` (8, 16, 32, 64), the last block and ``FC(1024, c)`` exactly as Table 2.
+- ``small``: what fits a 2-core machine, 12 to 15 minutes per method on one core (``workers = 2`` trains
+  two methods at a time): 50 writers and 50 unseen writers (the paper's 50 / 15 / 15 examples each) and
+  a narrower net: the first four Table 2 blocks with their channels divided by ``width_divisor = 8``
+  (8, 16, 32, 64), the last block and ``FC(1024, c)`` exactly as Table 2.
   Keeping ``g(x)`` 1024-wide matters for FedUV: a step on ``l_pos`` turns ``W g(x)`` towards ``v_u`` by
   an angle of order ``eta ||g(x)||^2 / c``, and ``||g(x)||^2`` is about ``D`` after the last GroupNorm;
-  with ``D = 128`` (all channels divided by 8) FedUV-511 learned several times slower than FedUV-127.
+  with ``D = 128`` (all channels divided by 8: ``narrow_head``) FedUV-511 learned several times slower
+  than FedUV-127.
   1,000 rounds with 20% of the users each keep the paper's cohort of 10 users per round and its 200
   rounds per user (20,000 x 1%), with its learning rate, per-round decay, batch and epochs; the learning
   rate falls to ``0.1 / 11`` instead of ``0.1 / 201``.
@@ -106,11 +108,12 @@ _CHANNELS = (64, 128, 256, 512, 1024)
 
 class _MnistUvNet(nn.Module):
     """Table 2's MNIST-UV topology with the channels of the first four blocks divided by ``divisor``;
-    the last block (1024 channels) and ``FC(1024, c)`` as in Table 2."""
+    the last block (1024 channels) and ``FC(1024, c)`` as in Table 2, or divided too (``narrow_head``)."""
 
-    def __init__(self, num_outputs: int, divisor: int, *, bias: bool) -> None:
+    def __init__(self, num_outputs: int, divisor: int, *, bias: bool, narrow_head: bool) -> None:
         super().__init__()
-        widths = [4] + [c // divisor for c in _CHANNELS[:-1]] + [_CHANNELS[-1]]
+        last = _CHANNELS[-1] // divisor if narrow_head else _CHANNELS[-1]
+        widths = [4] + [c // divisor for c in _CHANNELS[:-1]] + [last]
         layers: list[nn.Module] = []
         for i in range(len(_CHANNELS)):
             layers += [
@@ -127,15 +130,18 @@ class _MnistUvNet(nn.Module):
         return self.fc(self.features(x))
 
 
-def mnist_uv_net(num_outputs: int, *, bias: bool = True, width_divisor: int = 1) -> nn.Module:
+def mnist_uv_net(
+    num_outputs: int, *, bias: bool = True, width_divisor: int = 1, narrow_head: bool = False
+) -> nn.Module:
     """The MNIST-UV net: Table 2 exactly for ``width_divisor = 1`` (:func:`build_uv_net`), else the same
     five blocks (conv 3 x 3, ReLU, max-pool 2, GN(2)) with ``64 / w, 128 / w, 256 / w, 512 / w, 1024``
-    channels and ``FC(1024, c)``. FedUV's scaling is applied by the method, not the net."""
+    channels and ``FC(1024, c)``; ``narrow_head`` divides the last block too (``1024 / w`` channels,
+    ``FC(1024 / w, c)``). FedUV's scaling is applied by the method, not the net."""
     if width_divisor not in (1, 2, 4, 8, 16, 32):
         raise ConfigError(f"width_divisor {width_divisor!r} must be one of 1, 2, 4, 8, 16, 32")
     if width_divisor == 1:
         return build_uv_net("mnist_uv", num_outputs, scaling=False, bias=bias)
-    return _MnistUvNet(num_outputs, width_divisor, bias=bias)
+    return _MnistUvNet(num_outputs, width_divisor, bias=bias, narrow_head=narrow_head)
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,8 @@ class FeduvRunConfig:
     """Everything one run of :func:`run_feduv` depends on.
 
     Data: ``writers`` seen writers with ``train_examples`` / ``val_examples`` / ``test_examples``
-    examples and ``unseen_writers`` (:class:`MnistUvConfig`). Model: ``width_divisor`` (1 = Table 2).
+    examples and ``unseen_writers`` (:class:`MnistUvConfig`). Model: ``width_divisor`` (1 = Table 2) and
+    ``narrow_head`` (:func:`mnist_uv_net`).
     Training: ``rounds`` of Alg. 1 with ``train``. Methods: ``methods`` from :data:`METHOD_NAMES`, FedUV once
     per code length of ``code_lengths``. FedAwS: ``spreadout_steps`` and ``spreadout_margin`` (``nu``).
     Warm-up target TPR ``q``; evaluation histogram ``bins``. ``threads`` for torch (per process);
@@ -158,6 +165,7 @@ class FeduvRunConfig:
     val_examples: int = 15
     test_examples: int = 15
     width_divisor: int = 8
+    narrow_head: bool = False
     rounds: int = 1000
     train: UvTrainConfig = field(default_factory=lambda: UvTrainConfig(fraction=0.2))
     methods: tuple[str, ...] = METHOD_NAMES
@@ -222,9 +230,11 @@ SCALES: dict[str, FeduvRunConfig] = {
         width_divisor=1,
         rounds=20_000,
         train=UvTrainConfig(fraction=0.01),
+        batched=False,
     ),
 }
-"""``small`` runs on 2 cores in minutes per method; ``paper`` is Sec. 6's setting."""
+"""``small`` fits a 2-core machine; ``paper`` is Sec. 6's setting (one user at a time: for the full Table 2
+net the one-by-one path is faster on CPU than ``vmap``, 1.9 against 1.4 client updates per second)."""
 
 
 def _config_dict(cfg: FeduvRunConfig) -> dict[str, Any]:
@@ -241,7 +251,10 @@ def _build(
     torch.manual_seed(cfg.seed)
     users = cfg.writers
     outputs = code_length if code_length is not None else users
-    model = UvModel(mnist_uv_net(outputs, bias=method != "fedaws", width_divisor=cfg.width_divisor))
+    net = mnist_uv_net(
+        outputs, bias=method != "fedaws", width_divisor=cfg.width_divisor, narrow_head=cfg.narrow_head
+    )
+    model = UvModel(net)
     server_rng = np.random.default_rng([cfg.seed, 1])
     server: UvServer
     if method == "feduv":

@@ -165,9 +165,7 @@ def start_enclave(
 def embed_samples(flat: FlatModel, weights: np.ndarray, samples: np.ndarray, batch: int = 1024) -> np.ndarray:
     """Embeddings ``(U, S, d)`` of test samples ``(U, S, 30, 10)`` under ``weights``."""
     u, s = samples.shape[:2]
-    x = torch.from_numpy(np.array(samples, dtype=np.float32)).reshape(
-        u * s, 1, *samples.shape[2:]
-    )
+    x = torch.from_numpy(np.array(samples, dtype=np.float32)).reshape(u * s, 1, *samples.shape[2:])
     p = torch.from_numpy(np.array(weights, dtype=np.float32))
     with torch.no_grad():
         out = torch.cat([flat(p, x[i : i + batch]) for i in range(0, len(x), batch)])
