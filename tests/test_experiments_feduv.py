@@ -49,7 +49,9 @@ def test_a_tiny_run_writes_results_beside_the_paper_numbers(tiny_run, tmp_path) 
     results, run_dir, lines = tiny_run
     (tmp_path / "run").symlink_to(run_dir)
     files = {p.name for p in (tmp_path / "run").iterdir()}
-    assert files == {"config.json", "metrics.jsonl", "results.json", "roc.png"}
+    assert files == {"config.json", "metrics.jsonl", "methods", "results.json", "roc.png"}
+    saved = {p.name for p in (tmp_path / "run" / "methods").iterdir()}
+    assert saved == {f"{m}{ext}" for m in ("softmax", "fedaws", "feduv-127") for ext in (".json", ".roc.npz")}
     assert json.loads((tmp_path / "run" / "results.json").read_text()) == json.loads(json.dumps(results))
     assert set(results["methods"]) == {"softmax", "fedaws", "feduv-127"}
     for kind in ("train", "test_known", "test_unknown"):
@@ -67,9 +69,34 @@ def test_a_tiny_run_writes_results_beside_the_paper_numbers(tiny_run, tmp_path) 
 
 
 def test_worker_processes_give_the_same_numbers(tiny_run, tmp_path) -> None:
-    parallel = run_feduv(with_overrides(TINY, workers=2, methods=("feduv",)), tmp_path / "par")
+    ticks: list[str] = []
+    parallel = run_feduv(
+        with_overrides(TINY, workers=2, methods=("feduv", "softmax")), tmp_path / "par", progress=ticks.append
+    )
     for kind, row in parallel["auc"].items():
-        assert row == {"feduv-127": tiny_run[0]["auc"][kind]["feduv-127"]}
+        assert row == {label: tiny_run[0]["auc"][kind][label] for label in ("feduv-127", "softmax")}
+    assert sorted(line.split(":")[0] for line in ticks[1:]) == ["feduv-127", "softmax"]
+
+
+def test_a_run_directory_resumes_and_refuses_other_settings(tiny_run, tmp_path) -> None:
+    results = tiny_run[0]
+    out = tmp_path / "resume"
+    cfg = with_overrides(TINY, methods=("softmax", "feduv"))
+    first = run_feduv(cfg, out)
+    (out / "methods" / "feduv-127.json").unlink()
+    lines: list[str] = []
+    again = run_feduv(with_overrides(cfg, workers=2), out, progress=lines.append)
+    assert lines[1] == f"softmax: already in {out / 'methods'}, reused" and lines[2].startswith("feduv-127:")
+    assert again["auc"] == first["auc"]
+    assert again["methods"]["softmax"] == first["methods"]["softmax"]
+    assert first["methods"]["softmax"]["eval"] == results["methods"]["softmax"]["eval"]
+    records = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["method"] for r in records][:2] == ["softmax", "softmax"]
+    with pytest.raises(ConfigError, match=r"other settings \(rounds\)"):
+        run_feduv(with_overrides(cfg, rounds=3), out)
+    (out / "methods" / "softmax.roc.npz").write_bytes(b"not an npz")
+    with pytest.raises(ConfigError, match=r"saved outcome of 'softmax'.*delete softmax\.json"):
+        run_feduv(cfg, out)
 
 
 def test_shape_checks_follow_section_6_3() -> None:

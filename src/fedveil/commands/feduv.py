@@ -2,9 +2,9 @@
 
 - ``fedveil feduv run [--scale small|paper] [--methods feduv,fedaws,softmax] [--code-lengths 127,255,511]
   [--out DIR] [--rounds N] [--writers N] [--unseen-writers N] [--train-examples N] [--fraction F]
-  [--width-divisor W] [--narrow-head] [--seed S] [--threads T] [--workers N] [--json]`` trains every
-  method, writes the run directory (:func:`fedveil.experiments.feduv_runner.run_feduv`) and prints the
-  AUC table.
+  [--width-divisor W] [--narrow-head] [--seed S] [--threads T] [--workers N] [--json] [--no-progress]``
+  trains every method (resuming a run directory that already has some of them), writes the run
+  directory (:func:`fedveil.experiments.feduv_runner.run_feduv`) and prints the AUC table.
 - ``fedveil feduv bench [--clients N] [--width-divisor W] [--threads T] [--one-by-one] [--json]``
   measures FedAvg client updates per second on the MNIST-UV net.
 """
@@ -41,7 +41,8 @@ def register(subparsers: Any) -> None:
     r.add_argument("--seed", type=int, default=None, help="seed of data, model and protocol")
     r.add_argument("--threads", type=int, default=None, help="torch threads per process (default: 1)")
     r.add_argument("--workers", type=int, default=None, help="processes training methods side by side")
-    r.add_argument("--json", action="store_true", help="print results.json")
+    r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
     b = actions.add_parser("bench", help="FedAvg client updates per second on the MNIST-UV net")
     b.add_argument("--clients", type=int, default=4, help="users updated together (default: 4)")
     b.add_argument("--width-divisor", type=int, default=1, help="1 = Table 2's net (default)")
@@ -106,7 +107,10 @@ def run(args: argparse.Namespace) -> int:
     )
     out = args.out or Path("runs") / cfg.name
     results = fr.run_feduv(
-        cfg, out, progress=None if args.json else lambda line: print(line, file=sys.stderr)
+        cfg,
+        out,
+        progress=None if args.json else lambda line: print(line, file=sys.stderr),
+        show_bar=not args.json and not args.no_progress,
     )
     if args.json:
         print(json.dumps(results, indent=2, sort_keys=True))

@@ -34,9 +34,10 @@ import itertools
 import json
 import math
 import multiprocessing
+import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv, writer_difficulty_probe
 from fedveil.errors import ConfigError
@@ -315,18 +317,24 @@ def run_feduv(
     out_dir: str | Path,
     *,
     progress: Callable[[str], None] | None = None,
+    show_bar: bool = False,
     code_cache_dir: str | None = None,
 ) -> dict[str, Any]:
     """Train, deploy and evaluate every run of ``cfg``; write the run directory; return ``results.json``.
 
-    ``progress`` receives one line per finished phase (e.g. ``print``). With ``cfg.workers > 1`` the
-    methods train in that many worker processes; each run depends only on ``cfg`` (its own seeds, the
-    same generated data), so the numbers equal those of one process.
+    ``progress`` receives one line per finished phase (e.g. ``print``); ``show_bar`` draws a progress bar
+    over all rounds of all runs on stderr. With ``cfg.workers > 1`` the methods train in that many worker
+    processes; each run depends only on ``cfg`` (its own seeds, the same generated data), so the numbers
+    equal those of one process.
+
+    Nothing finished is lost: each method's outcome is written to ``methods/<label>.json`` and
+    ``methods/<label>.roc.npz`` as soon as it ends, and a later call on the same ``out_dir`` with the same
+    ``cfg`` reuses them and trains only the missing methods. A different ``cfg`` in an existing
+    ``out_dir`` is refused (:class:`ConfigError` naming the settings that differ).
     """
     torch.set_num_threads(cfg.threads)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(_config_dict(cfg), indent=2) + "\n", encoding="utf-8")
+    _claim_run_dir(out, cfg)
     say = progress or (lambda _line: None)
     started = time.perf_counter()
     data = generate_mnist_uv(cfg.data_config())
@@ -342,28 +350,39 @@ def run_feduv(
         },
         "methods": {},
     }
-    curves: dict[str, dict[str, Roc]] = {kind: {} for kind in UV_EVALUATIONS}
-    runs = cfg.runs()
-    with open(out / "metrics.jsonl", "w", encoding="utf-8") as fh:
+    outcomes: dict[str, _Outcome] = {}
+    todo = []
+    for run in cfg.runs():
+        saved = _load_outcome(out, run[0])
+        if saved is None:
+            todo.append(run)
+        else:
+            outcomes[run[0]] = saved
+            say(f"{run[0]}: already in {out / 'methods'}, reused")
+    bar = tqdm(total=len(todo) * cfg.rounds, unit="round", disable=not show_bar, desc=cfg.name)
 
-        def record(label: str, outcome: _Outcome) -> None:
+    def finished(outcome: _Outcome) -> None:
+        _save_outcome(out, outcome)
+        outcomes[outcome.label] = outcome
+        aucs = ", ".join(f"{kind} {ev['auc']:.4f}" for kind, ev in outcome.row["eval"].items())
+        with tqdm.external_write_mode():
+            say(f"{outcome.label}: {aucs} ({outcome.row['real_seconds']:.0f} s)")
+
+    with bar:
+        if cfg.workers == 1 or len(todo) <= 1:
+            for label, method, code_length in todo:
+                finished(_train_one(cfg, label, method, code_length, data, code_cache_dir, bar.update))
+        else:
+            _train_in_pool(cfg, todo, code_cache_dir, bar.update, finished)
+    curves: dict[str, dict[str, Roc]] = {kind: {} for kind in UV_EVALUATIONS}
+    with open(out / "metrics.jsonl", "w", encoding="utf-8") as fh:
+        for label, _, _ in cfg.runs():
+            outcome = outcomes[label]
             for line in outcome.lines:
                 _json_line(fh, line)
             for kind, roc in outcome.rocs.items():
                 curves[kind][label] = roc
             results["methods"][label] = outcome.row
-            aucs = ", ".join(f"{kind} {ev['auc']:.4f}" for kind, ev in outcome.row["eval"].items())
-            say(f"{label}: {aucs} ({outcome.row['real_seconds']:.0f} s)")
-
-        if cfg.workers == 1:
-            for label, method, code_length in runs:
-                record(label, _train_one(cfg, label, method, code_length, data, code_cache_dir))
-        else:
-            spawn = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(max_workers=min(cfg.workers, len(runs)), mp_context=spawn) as pool:
-                futures = [pool.submit(_train_in_worker, cfg, *run, code_cache_dir) for run in runs]
-                for (label, _, _), future in zip(runs, futures, strict=True):
-                    record(label, future.result())
     aucs = {
         kind: {label: results["methods"][label]["eval"][kind]["auc"] for label in results["methods"]}
         for kind in UV_EVALUATIONS
@@ -381,21 +400,122 @@ def run_feduv(
     return results
 
 
+def _claim_run_dir(out: Path, cfg: FeduvRunConfig) -> None:
+    """Create ``out`` with ``config.json``, or check that the one there is ``cfg``'s (except ``workers``
+    and ``threads``, which do not change the numbers)."""
+    mine = _config_dict(cfg)
+    path = out / "config.json"
+    if path.is_file():
+        try:
+            theirs = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"{str(path)!r} is not a readable run config ({exc}); use another --out"
+            ) from None
+        free = {"workers", "threads"}
+        differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
+        if differ:
+            raise ConfigError(
+                f"run directory {str(out)!r} holds a run with other settings ({', '.join(differ)}); "
+                "use another --out, or delete it to start over"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "methods").mkdir(exist_ok=True)
+    path.write_text(json.dumps(mine, indent=2) + "\n", encoding="utf-8")
+
+
 @dataclass(frozen=True)
 class _Outcome:
-    """One method's run: its ``results.json`` row, its ``metrics.jsonl`` lines and its ROC curves."""
+    """One method's run: its label, ``results.json`` row, ``metrics.jsonl`` lines and ROC curves."""
 
+    label: str
     row: dict[str, Any]
     lines: list[dict[str, Any]]
     rocs: dict[str, Roc]
 
 
+_ROC_ARRAYS = ("fpr", "tpr", "thresholds")
+
+
+def _save_outcome(out: Path, outcome: _Outcome) -> None:
+    """Write ``methods/<label>.roc.npz`` then ``methods/<label>.json`` (the JSON last: it marks the
+    method done), each through a temporary file and an atomic rename."""
+    base = out / "methods"
+    arrays = {
+        f"{kind}.{name}": getattr(roc, name) for kind, roc in outcome.rocs.items() for name in _ROC_ARRAYS
+    }
+    tmp = base / f".{outcome.label}.roc.tmp.npz"
+    np.savez(tmp, **arrays)
+    tmp.replace(base / f"{outcome.label}.roc.npz")
+    doc = {"label": outcome.label, "row": outcome.row, "lines": outcome.lines}
+    tmp_json = base / f".{outcome.label}.json.tmp"
+    tmp_json.write_text(json.dumps(doc, sort_keys=True) + "\n", encoding="utf-8")
+    tmp_json.replace(base / f"{outcome.label}.json")
+
+
+def _load_outcome(out: Path, label: str) -> _Outcome | None:
+    """The outcome :func:`_save_outcome` wrote for ``label``, or ``None`` when there is none."""
+    doc_path = out / "methods" / f"{label}.json"
+    roc_path = out / "methods" / f"{label}.roc.npz"
+    if not (doc_path.is_file() and roc_path.is_file()):
+        return None
+    try:
+        doc = json.loads(doc_path.read_text(encoding="utf-8"))
+        with np.load(roc_path, allow_pickle=False) as z:
+            rocs = {kind: Roc(*(z[f"{kind}.{name}"] for name in _ROC_ARRAYS)) for kind in UV_EVALUATIONS}
+        if doc["label"] != label:
+            raise ValueError(f"label {doc['label']!r}")
+        return _Outcome(label, doc["row"], doc["lines"], rocs)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"saved outcome of {label!r} in {str(out / 'methods')!r} is unreadable ({exc}); delete "
+            f"{doc_path.name} to train {label} again"
+        ) from None
+
+
+def _train_in_pool(
+    cfg: FeduvRunConfig,
+    runs: list[tuple[str, str, int | None]],
+    code_cache_dir: str | None,
+    advance: Callable[[int], object],
+    finished: Callable[[_Outcome], None],
+) -> None:
+    """Train ``runs`` in ``cfg.workers`` spawned processes; ``advance(n)`` as rounds complete there,
+    ``finished`` as each run ends (in completion order)."""
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Manager() as manager:
+        ticks = manager.Queue()
+        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(runs)), mp_context=spawn) as pool:
+            pending = {pool.submit(_train_in_worker, cfg, *run, code_cache_dir, ticks) for run in runs}
+            while pending:
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                _drain(ticks, advance)
+                for future in done:
+                    finished(future.result())
+            _drain(ticks, advance)
+
+
+def _drain(ticks: Any, advance: Callable[[int], object]) -> None:
+    while True:
+        try:
+            advance(ticks.get_nowait())
+        except queue.Empty:
+            return
+
+
 def _train_in_worker(
-    cfg: FeduvRunConfig, label: str, method: str, code_length: int | None, code_cache_dir: str | None
+    cfg: FeduvRunConfig,
+    label: str,
+    method: str,
+    code_length: int | None,
+    code_cache_dir: str | None,
+    ticks: Any,
 ) -> _Outcome:
-    """:func:`_train_one` in a worker process, on data generated there from ``cfg``."""
+    """:func:`_train_one` in a worker process, on data generated there from ``cfg``; rounds are reported
+    on ``ticks`` in blocks of ten."""
     torch.set_num_threads(cfg.threads)
-    return _train_one(cfg, label, method, code_length, generate_mnist_uv(cfg.data_config()), code_cache_dir)
+    data = generate_mnist_uv(cfg.data_config())
+    return _train_one(cfg, label, method, code_length, data, code_cache_dir, ticks.put, tick_every=10)
 
 
 def _train_one(
@@ -405,8 +525,13 @@ def _train_one(
     code_length: int | None,
     data: Any,
     code_cache_dir: str | None,
+    advance: Callable[[int], object] | None = None,
+    *,
+    tick_every: int = 1,
 ) -> _Outcome:
+    """Train, deploy and evaluate one method; ``advance(n)`` after every ``tick_every`` rounds."""
     server, runtime = _build(cfg, method, code_length, data, code_cache_dir)
+    step = advance or (lambda _n: None)
     lines: list[dict[str, Any]] = []
     t0 = time.perf_counter()
 
@@ -415,6 +540,8 @@ def _train_one(
         for rnd in range(1, cfg.rounds + 1):
             report = await server.run_round(rnd, runtime)
             lines.append({"method": label, **report.as_dict()})
+            if rnd % tick_every == 0 or rnd == cfg.rounds:
+                step(rnd % tick_every or tick_every)
         await server.deploy(runtime, cfg.q)
         return {
             kind: await server.evaluate(runtime, genuine, impostor, bins=cfg.bins)
@@ -433,7 +560,7 @@ def _train_one(
         "code_length": code_length,
     }
     lines.extend({"method": label, "eval": kind, **ev.summary()} for kind, ev in evaluations.items())
-    return _Outcome(row, lines, {kind: ev.roc for kind, ev in evaluations.items()})
+    return _Outcome(label, row, lines, {kind: ev.roc for kind, ev in evaluations.items()})
 
 
 def bench_client_updates(
