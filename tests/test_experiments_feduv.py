@@ -49,7 +49,7 @@ def test_a_tiny_run_writes_results_beside_the_paper_numbers(tiny_run, tmp_path) 
     results, run_dir, lines = tiny_run
     (tmp_path / "run").symlink_to(run_dir)
     files = {p.name for p in (tmp_path / "run").iterdir()}
-    assert files == {"config.json", "metrics.jsonl", "methods", "results.json", "roc.png"}
+    assert files == {"config.json", "loss.png", "metrics.jsonl", "methods", "results.json", "roc.png"}
     saved = {p.name for p in (tmp_path / "run" / "methods").iterdir()}
     assert saved == {f"{m}{ext}" for m in ("softmax", "fedaws", "feduv-127") for ext in (".json", ".roc.npz")}
     assert json.loads((tmp_path / "run" / "results.json").read_text()) == json.loads(json.dumps(results))
@@ -66,6 +66,9 @@ def test_a_tiny_run_writes_results_beside_the_paper_numbers(tiny_run, tmp_path) 
     assert sum("round" in r for r in records) == 3 * 2 and sum("eval" in r for r in records) == 3 * 3
     assert len(lines) == 4 and lines[-1].startswith("feduv-127:")
     assert set(results["shape"]) == {"train", "test_known", "test_unknown", "tolerance"}
+    assert all(
+        row["loss_last_tenth"] > 0 and row["loss_first_round"] > 0 for row in results["methods"].values()
+    )
 
 
 def test_worker_processes_give_the_same_numbers(tiny_run, tmp_path) -> None:

@@ -5,8 +5,9 @@
 warm-up threshold of Alg. 2, evaluates the three dataset types of Table 3 (:data:`UV_EVALUATIONS`) and
 writes a run directory: ``config.json`` (the resolved settings), ``metrics.jsonl`` (one line per round
 and method, then one per evaluation), ``results.json`` (AUC and TPR at FPR 1e-1, 1e-2, 1e-3 per method
-and dataset type, beside the paper's AUCs, and the shape checks of Sec. 6.3) and ``roc.png`` (Fig. 2:
-one panel per dataset type, all methods).
+and dataset type, beside the paper's AUCs, and the shape checks of Sec. 6.3), ``roc.png`` (Fig. 2:
+one panel per dataset type, all methods), ``loss.png`` (each method's mean local training loss per round)
+and ``methods/`` (each method's outcome as it finishes, so an interrupted run resumes).
 
 Two scales (:data:`SCALES`):
 
@@ -51,6 +52,7 @@ from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv, writer_diffi
 from fedveil.errors import ConfigError
 from fedveil.eval.uv import DEFAULT_BINS, UV_EVALUATIONS, UvEvaluation, plot_uv_rocs
 from fedveil.eval.verification import Roc
+from fedveil.experiments.plots import plot_series
 from fedveil.models.feduv import build_uv_net
 from fedveil.protocols.feduv import (
     DEFAULT_TARGET_TPR,
@@ -397,6 +399,13 @@ def run_feduv(
     (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     title = f"{cfg.name}: MNIST-UV ({cfg.writers} writers, {cfg.rounds} rounds)"
     plot_uv_rocs(curves, out / "roc.png", title=title)
+    losses = {
+        label: [
+            (line["round"], line["loss"]) for line in outcomes[label].lines if line.get("loss") is not None
+        ]
+        for label, _, _ in cfg.runs()
+    }
+    plot_series(losses, out / "loss.png", title=f"{cfg.name}: mean local training loss", ylabel="loss")
     return results
 
 
@@ -550,8 +559,12 @@ def _train_one(
 
     evaluations = asyncio.run(go())
     stats = runtime.stats()
+    losses = [line["loss"] for line in lines if line["loss"] is not None]
+    tail = losses[-max(1, len(losses) // 10) :]
     row: dict[str, Any] = {
         "eval": {kind: ev.summary() for kind, ev in evaluations.items()},
+        "loss_first_round": losses[0] if losses else None,
+        "loss_last_tenth": float(np.mean(tail)) if tail else None,
         "real_seconds": time.perf_counter() - t0,
         "bytes_up": stats.bytes_up,
         "bytes_down": stats.bytes_down,
