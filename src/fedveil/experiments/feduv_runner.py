@@ -238,7 +238,7 @@ SCALES: dict[str, FeduvRunConfig] = {
     ),
 }
 """``small`` fits a 2-core machine; ``paper`` is Sec. 6's setting (one user at a time: for the full Table 2
-net the one-by-one path is faster on CPU than ``vmap``, 1.9 against 1.4 client updates per second)."""
+net the one-by-one path is faster on CPU than ``vmap``, ``docs/benchmarks.md``)."""
 
 
 def _config_dict(cfg: FeduvRunConfig) -> dict[str, Any]:
