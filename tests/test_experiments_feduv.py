@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from fedveil.experiments.feduv_runner import (
     SCALES,
     FeduvRunConfig,
     bench_client_updates,
+    load_feduv_config,
     mnist_uv_net,
     parse_int_list,
     parse_methods,
@@ -162,32 +164,38 @@ def test_bad_cli_lists_fail_naming_the_value() -> None:
 
 
 def test_cli_run_prints_results_json(tmp_path, capsys) -> None:
-    status = cli.main(
-        [
-            "feduv",
-            "run",
-            "--methods",
-            "feduv",
-            "--code-lengths",
-            "127",
-            "--writers",
-            "4",
-            "--unseen-writers",
-            "2",
-            "--train-examples",
-            "3",
-            "--rounds",
-            "1",
-            "--width-divisor",
-            "32",
-            "--out",
-            str(tmp_path / "cli"),
-            "--json",
-        ]
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "writers: 4\nunseen_writers: 2\nrounds: 3\nwidth_divisor: 32\ntrain:\n  fraction: 0.5\n"
     )
-    assert status == 0
+    args = ["feduv", "run", "--config", str(config), "--methods", "feduv", "--code-lengths", "127"]
+    args += ["--train-examples", "3", "--rounds", "1", "--out", str(tmp_path / "cli"), "--json"]
+    assert cli.main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc["methods"]) == {"feduv-127"} and (tmp_path / "cli" / "roc.png").exists()
+    written = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert (written["writers"], written["rounds"], written["train_examples"]) == (4, 1, 3)
+    assert written["train"]["fraction"] == 0.5 and written["train"]["lr"] == 0.1
+
+
+def test_shipped_configs_are_the_presets(tmp_path) -> None:
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    assert load_feduv_config(configs / "feduv" / "table3_small.yaml") == SCALES["small"]
+    assert load_feduv_config(configs / "feduv" / "table3_paper.yaml") == SCALES["paper"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("writers: 4\ntrain:\n  lr_schedule: cosine\n")
+    with pytest.raises(
+        ConfigError, match=r"train\.lr_schedule: unknown key; allowed keys here are: fraction"
+    ):
+        load_feduv_config(bad)
+    bad.write_text("rounds: many\n")
+    with pytest.raises(ConfigError, match=r"rounds: expected an integer, got 'many'"):
+        load_feduv_config(bad)
+    bad.write_text("code_lengths: [127, 200]\n")
+    with pytest.raises(ConfigError, match="200"):
+        run_feduv(with_overrides(TINY, code_lengths=load_feduv_config(bad).code_lengths), tmp_path / "r")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_feduv_config(tmp_path / "missing.yaml")
 
 
 def test_cli_reports_bad_input_without_a_traceback(capsys) -> None:

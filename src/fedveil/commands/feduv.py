@@ -1,8 +1,8 @@
 """``fedveil feduv {run,bench}``: FedUV, FedAwS and softmax on MNIST-UV (Table 3), and client speed.
 
-- ``fedveil feduv run [--scale small|paper] [--methods feduv,fedaws,softmax] [--code-lengths 127,255,511]
-  [--out DIR] [--rounds N] [--writers N] [--unseen-writers N] [--train-examples N] [--fraction F]
-  [--width-divisor W] [--narrow-head] [--seed S] [--threads T] [--workers N] [--json] [--no-progress]``
+- ``fedveil feduv run [--scale small|paper] [--config YAML] [--methods feduv,fedaws,softmax]
+  [--code-lengths 127,255,511] [--out DIR] [--rounds N] [--writers N] [--unseen-writers N]
+  [--train-examples N] [--fraction F] [--width-divisor W] [--narrow-head] [--seed S] [--threads T] [--workers N] [--json] [--no-progress]``
   trains every method (resuming a run directory that already has some of them), writes the run
   directory (:func:`fedveil.experiments.feduv_runner.run_feduv`) and prints the AUC table.
 - ``fedveil feduv bench [--clients N] [--width-divisor W] [--threads T] [--one-by-one] [--json]``
@@ -26,6 +26,7 @@ def register(subparsers: Any) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = actions.add_parser("run", help="train and evaluate the methods; write a run directory")
     r.add_argument("--scale", choices=("small", "paper"), default="small", help="preset (default: small)")
+    r.add_argument("--config", type=Path, default=None, help="YAML of run settings laid over the preset")
     r.add_argument("--methods", default=None, help="comma-separated subset of feduv,fedaws,softmax")
     r.add_argument("--code-lengths", default=None, help="FedUV code lengths (default: 127,255,511)")
     r.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<name>)")
@@ -88,8 +89,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{doc['repeats']}, {doc['num_params']:,} parameters, {doc['threads']} threads)"
             )
         return 0
+    base = fr.SCALES[args.scale]
+    if args.config is not None:
+        base = fr.load_feduv_config(args.config, base)
     cfg = fr.with_overrides(
-        fr.SCALES[args.scale],
+        base,
         methods=None if args.methods is None else fr.parse_methods(args.methods),
         code_lengths=None
         if args.code_lengths is None

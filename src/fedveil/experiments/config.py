@@ -295,20 +295,31 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """The mapping at the top of the YAML file ``path`` (empty for an empty file); ConfigError naming the
+    file when it is missing, not YAML, or not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    if loaded is not None and not isinstance(loaded, Mapping):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return dict(loaded or {})
+
+
+def build_dataclass(cls: type, raw: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> Any:
+    """``cls`` (a tree of frozen dataclasses) from ``raw`` laid over ``base`` (nested mappings merge):
+    unknown keys are refused listing the allowed ones, values are type-checked, and the dataclasses'
+    own checks run."""
+    return _build(cls, _merge(dict(base or {}), raw))
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Load, override and validate an experiment config (``path=None`` starts from the defaults)."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, Mapping):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-        raw = dict(loaded or {})
+    raw: dict[str, Any] = {} if path is None else read_yaml_mapping(path)
     raw = _merge(raw, parse_overrides(overrides))
     return _build(ExperimentConfig, raw)
 

@@ -52,6 +52,7 @@ from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv, writer_diffi
 from fedveil.errors import ConfigError
 from fedveil.eval.uv import DEFAULT_BINS, UV_EVALUATIONS, UvEvaluation, plot_uv_rocs
 from fedveil.eval.verification import Roc
+from fedveil.experiments.config import build_dataclass, read_yaml_mapping
 from fedveil.experiments.plots import plot_series
 from fedveil.models.feduv import build_uv_net
 from fedveil.protocols.feduv import (
@@ -78,6 +79,7 @@ __all__ = [
     "SCALES",
     "FeduvRunConfig",
     "bench_client_updates",
+    "load_feduv_config",
     "mnist_uv_net",
     "parse_int_list",
     "parse_methods",
@@ -239,6 +241,13 @@ SCALES: dict[str, FeduvRunConfig] = {
 }
 """``small`` fits a 2-core machine; ``paper`` is Sec. 6's setting (one user at a time: for the full Table 2
 net the one-by-one path is faster on CPU than ``vmap``, ``docs/benchmarks.md``)."""
+
+
+def load_feduv_config(path: str | Path, base: FeduvRunConfig | None = None) -> FeduvRunConfig:
+    """A :class:`FeduvRunConfig` from the YAML file ``path`` laid over ``base`` (default: the ``small``
+    scale): top-level keys are :class:`FeduvRunConfig`'s fields, ``train`` holds
+    :class:`~fedveil.protocols.feduv.UvTrainConfig`'s. Unknown keys and wrong types fail naming them."""
+    return build_dataclass(FeduvRunConfig, read_yaml_mapping(path), _config_dict(base or SCALES["small"]))
 
 
 def _config_dict(cfg: FeduvRunConfig) -> dict[str, Any]:
