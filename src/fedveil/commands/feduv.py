@@ -2,7 +2,8 @@
 
 - ``fedveil feduv run [--scale small|paper] [--config YAML] [--methods feduv,fedaws,softmax]
   [--code-lengths 127,255,511] [--out DIR] [--rounds N] [--writers N] [--unseen-writers N]
-  [--train-examples N] [--fraction F] [--width-divisor W] [--narrow-head] [--seed S] [--threads T] [--workers N] [--json] [--no-progress]``
+  [--train-examples N] [--fraction F] [--width-divisor W] [--narrow-head] [--seed S] [--threads T]
+  [--workers N] [--json] [--no-progress]``
   trains every method (resuming a run directory that already has some of them), writes the run
   directory (:func:`fedveil.experiments.feduv_runner.run_feduv`) and prints the AUC table.
 - ``fedveil feduv bench [--clients N] [--width-divisor W] [--threads T] [--one-by-one] [--json]``

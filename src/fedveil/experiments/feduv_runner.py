@@ -14,7 +14,7 @@ Two scales (:data:`SCALES`):
 - ``paper``: Sec. 6: 1,000 writers (50 / 15 / 15 examples) and 1,000 unseen writers, the Table 2 net,
   20,000 rounds with 1% of the users each, one local epoch. Far beyond a 2-core machine (the Table 2 net
   does a few client updates per second there, :func:`bench_client_updates`).
-- ``small``: what fits a 2-core machine, 12 to 15 minutes per method on one core (``workers = 2`` trains
+- ``small``: what fits a 2-core machine, 13 to 17 minutes per method on one core (``workers = 2`` trains
   two methods at a time): 50 writers and 50 unseen writers (the paper's 50 / 15 / 15 examples each) and
   a narrower net: the first four Table 2 blocks with their channels divided by ``width_divisor = 8``
   (8, 16, 32, 64), the last block and ``FC(1024, c)`` exactly as Table 2.
