@@ -194,7 +194,9 @@ def test_peak_memory_stays_under_the_limit_while_chunking() -> None:
     direct = _direct(emb, config, limit=None)
     got = np.concatenate([sessions[c].open_derivatives(0, result.derivatives[c]) for c in ids])
     np.testing.assert_allclose(got, direct.derivatives, rtol=1e-4, atol=1e-7)
-    assert result.num_active == direct.num_active
+    # Tiles sum float32 distances in another order than the one-shot call, so a triplet whose hinge
+    # sits within rounding of zero can flip (seen: 5,778,748 vs 5,778,747 of 7.3 M valid triplets).
+    assert abs(result.num_active - direct.num_active) <= 1e-6 * direct.num_valid
     assert result.peak_bytes <= config.memory_limit_bytes
 
 
