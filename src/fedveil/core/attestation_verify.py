@@ -257,6 +257,11 @@ class EnclaveClientSession:
         """Whether attestation passed and the channel is keyed."""
         return self._channel is not None
 
+    @property
+    def used(self) -> bool:
+        """Whether :meth:`hello` was called (a session serves one handshake)."""
+        return bool(self._nonce)
+
     def hello(self) -> bytes:
         """The client hello (fresh key and nonce); only one per session."""
         if self._nonce:

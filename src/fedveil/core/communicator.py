@@ -30,13 +30,32 @@ class Dropout:
     reason: str
 
 
+@dataclass(frozen=True)
+class DeviceTiming:
+    """One device's share of one request (PoliFL Sec. 5's metering): bytes each way, and where time is
+    real, TTD (server send -> device receipt), TTE (time on the device), TTR (device send -> server
+    receipt) and TTP (server processing of the reply), in seconds; ``None`` where a runtime has no such
+    clock."""
+
+    client: ClientId
+    phase: str
+    bytes_down: int
+    bytes_up: int
+    ttd: float | None = None
+    tte: float | None = None
+    ttr: float | None = None
+    ttp: float | None = None
+
+
 @dataclass
 class CommStats:
     """Counters a runtime keeps; protocols difference them to report a round.
 
     ``bytes_down`` counts server -> client bytes, ``bytes_up`` client -> server bytes, each message
     counted once per recipient/sender exactly as its encoded length. ``sim_seconds`` is the
-    runtime's clock (virtual in simulation, wall time on a network).
+    runtime's clock (virtual in simulation, wall time on a network). ``timings`` holds one
+    :class:`DeviceTiming` per reply received by a runtime with real clocks; the caller drains it
+    (``copy()`` leaves it out, so snapshots stay cheap over long runs).
     """
 
     bytes_down: int = 0
@@ -45,6 +64,7 @@ class CommStats:
     messages_up: int = 0
     sim_seconds: float = 0.0
     dropouts: list[Dropout] = field(default_factory=list)
+    timings: list[DeviceTiming] = field(default_factory=list)
 
     def copy(self) -> CommStats:
         """A snapshot that later traffic does not change."""

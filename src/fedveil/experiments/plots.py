@@ -44,3 +44,43 @@ def plot_series(
     out = Path(path)
     fig.savefig(out)
     return out
+
+
+TIMING_PARTS = ("ttd", "tte", "ttr", "ttp")
+
+
+def summarise_timings(timings: Sequence[object]) -> dict[str, float]:
+    """Median, 95th percentile and maximum of TTD / TTE / TTR / TTP (PoliFL Sec. 5, seconds) over one
+    round's per-device records (:class:`fedveil.core.communicator.DeviceTiming`), as flat
+    ``metrics.jsonl`` fields such as ``ttd_p50``."""
+    out: dict[str, float] = {}
+    for part in TIMING_PARTS:
+        values = np.array([getattr(t, part) for t in timings if getattr(t, part) is not None], dtype=float)
+        if values.size:
+            out[f"{part}_p50"] = float(np.percentile(values, 50))
+            out[f"{part}_p95"] = float(np.percentile(values, 95))
+            out[f"{part}_max"] = float(values.max())
+    return out
+
+
+def plot_round_timing(devices: Sequence[Mapping[str, object]], path: str | Path, *, title: str) -> Path:
+    """PoliFL Fig. 5 for one round: one stacked bar per device reply (TTD, TTE, TTR, TTP in seconds),
+    in arrival order (the order of ``devices``), written as a PNG to ``path``."""
+    fig = Figure(figsize=(7.2, 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    x = np.arange(len(devices))
+    bottom = np.zeros(len(devices))
+    for part in TIMING_PARTS:
+        h = np.array([float(d.get(part) or 0.0) for d in devices])
+        ax.bar(x, h, bottom=bottom, label=part.upper(), width=0.85)
+        bottom += h
+    ax.set_title(title)
+    ax.set_xlabel("device reply (arrival order)")
+    ax.set_ylabel("seconds")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    return out

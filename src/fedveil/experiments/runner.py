@@ -12,8 +12,8 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,18 @@ from fedveil.data.touch_csv import load_touch_population
 from fedveil.data.touchauth import TouchAuthConfig, generate_touchauth
 from fedveil.enclave.channel import RECORD_OVERHEAD
 from fedveil.enclave.measure import EnclaveConfig, measure_enclave
+from fedveil.errors import ConfigError
 from fedveil.eval.plots import plot_roc
 from fedveil.eval.verification import authentication_accuracy
+from fedveil.experiments.checkpoint import (
+    Checkpoint,
+    SpendLog,
+    atomic_write_bytes,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedveil.experiments.config import ExperimentConfig, config_to_dict
-from fedveil.experiments.plots import plot_series
+from fedveil.experiments.plots import plot_round_timing, plot_series, summarise_timings
 from fedveil.experiments.privacy_setup import plan_privacy
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
@@ -45,14 +53,15 @@ EMBEDDING_DIM = 64
 
 @dataclass
 class Trainer:
-    """A server, its simulated clients, how to read the embedding network off the server, and what
-    to close when the run ends (the enclave process)."""
+    """A server, its runtime (the simulation with its client pool, or a network of device agents), how
+    to read the embedding network off the server, and what to close when the run ends (the enclave)."""
 
     server: Any
-    runtime: SimulationRuntime
+    runtime: Any
     embed_flat: FlatModel
     embedding_weights: Callable[[], np.ndarray]
     enclave_host: Any = None
+    pool: Any = None
 
     def close(self) -> None:
         """Shut the enclave down (idempotent)."""
@@ -85,64 +94,110 @@ def _faults(cfg: ExperimentConfig) -> dict[str, PhaseFaults]:
     return out
 
 
-def build_trainer(
-    cfg: ExperimentConfig, population: Any, dp: DPRelease | None = None, *, tap: Any = None
-) -> Trainer:
-    """Server, clients and runtime for ``cfg.protocol``, seeded from ``cfg.seed``; ``dp`` makes the
-    FDML enclave release derivatives by Alg. 2; ``tap(direction, data)`` sees every byte string the
-    server handles (runtime messages and enclave traffic), for tests."""
+def _models(cfg: ExperimentConfig, num_users: int) -> tuple[FlatModel, FlatModel]:
+    """(the embedding network, the model the protocol trains), initialised from ``cfg.seed``."""
     torch.manual_seed(cfg.seed)
     embed_net = TouchAuthNet(EMBEDDING_DIM)
     embed_flat = FlatModel(embed_net)
+    if cfg.protocol == "fdml":
+        return embed_flat, embed_flat
+    return embed_flat, FlatModel(EmbeddingClassifier(embed_net, EMBEDDING_DIM, num_users))
+
+
+def build_clients(
+    cfg: ExperimentConfig, population: Any, *, sessions: dict[str, EnclaveClientSession] | None = None
+) -> Any:
+    """The device side of ``cfg.protocol`` for ``population``: the client pool the simulation runs
+    in-process and a device agent hosts (the same code either way). ``sessions`` are the devices'
+    attested enclave sessions (FDML through the emulated TEE)."""
     ids = population.train_user_ids()
     attributes = {uid: dict(population.train.user(uid).attributes) for uid in ids}
-    server_rng = np.random.default_rng([cfg.seed, 1])
-    runtime_rng = np.random.default_rng([cfg.seed, 2])
-    host = None
+    _, model = _models(cfg, len(ids))
     if cfg.protocol == "fdml":
-        if cfg.enclave.boundary == "none":
-            dp_rng = np.random.default_rng(cfg.seed) if dp else None
-            enclave: Any = LocalEnclave(margin=cfg.fdml.margin, strategy=cfg.fdml.strategy, dp=dp, rng=dp_rng)
-            sessions = None
-        else:
-            enclave, host, sessions = start_enclave(cfg, ids, dp, tap=tap)
-        pool: Any = FDMLClients(
+        return FDMLClients(
             population,
-            embed_flat,
+            model,
             attributes=attributes,
             seed=cfg.seed,
             batched=cfg.runtime.batched,
             sessions=sessions,
         )
-        server: Any = FDMLServer(cfg.fdml, embed_flat.initial(), EMBEDDING_DIM, enclave, server_rng)
+    return FedAvgClients(population, model, attributes=attributes, seed=cfg.seed, batched=cfg.runtime.batched)
+
+
+def build_trainer(
+    cfg: ExperimentConfig,
+    population: Any,
+    dp: DPRelease | None = None,
+    *,
+    tap: Any = None,
+    runtime: Any = None,
+    platform: SimulatedPlatform | None = None,
+    dp_seed: int | None = None,
+) -> Trainer:
+    """Server and runtime for ``cfg.protocol``, seeded from ``cfg.seed``; ``dp`` makes the FDML enclave
+    release derivatives by Alg. 2; ``tap(direction, data)`` sees every byte string the server handles
+    (runtime messages and enclave traffic), for tests.
+
+    With ``runtime=None`` the clients are simulated in this process (their enclave sessions are made
+    here too, pinned to a fresh simulated platform, and DP noise is seeded by ``dp_seed``, default
+    ``cfg.seed``, for reproducibility). With a network ``runtime`` the devices are elsewhere: the
+    enclave is launched by ``platform`` (whose public key the devices pin) and ``dp_seed`` must be
+    None: DP noise in a deployment comes from the operating system's entropy.
+    """
+    simulated = runtime is None
+    if simulated and dp_seed is None:
+        dp_seed = cfg.seed
+    if not simulated and dp_seed is not None:
+        raise ConfigError(
+            "dp_seed makes the enclave's DP noise reproducible, which is for simulation only: a deployed "
+            "enclave must draw its noise from OS entropy (leave dp_seed unset)"
+        )
+    ids = population.train_user_ids()
+    embed_flat, model = _models(cfg, len(ids))
+    server_rng = np.random.default_rng([cfg.seed, 1])
+    runtime_rng = np.random.default_rng([cfg.seed, 2])
+    host = None
+    sessions = None
+    if cfg.protocol == "fdml":
+        if cfg.enclave.boundary == "none":
+            dp_rng = np.random.default_rng(dp_seed) if dp else None
+            enclave: Any = LocalEnclave(margin=cfg.fdml.margin, strategy=cfg.fdml.strategy, dp=dp, rng=dp_rng)
+        else:
+            config = enclave_config(cfg, dp, dp_seed=dp_seed)
+            platform = platform or SimulatedPlatform.generate()
+            host = EnclaveHost.start(config, platform=platform, boundary=cfg.enclave.boundary, tap=tap)
+            enclave = AttestedEnclave(host, record_overhead=RECORD_OVERHEAD + 64)
+            if simulated:
+                sessions = device_sessions(ids, platform.public_key, measure_enclave(config).digest)
+        server: Any = FDMLServer(cfg.fdml, model.initial(), EMBEDDING_DIM, enclave, server_rng)
 
         def embedding_weights() -> np.ndarray:
             return server.weights
 
     else:
-        model = EmbeddingClassifier(embed_net, EMBEDDING_DIM, len(ids))
-        full = FlatModel(model)
-        pool = FedAvgClients(
-            population, full, attributes=attributes, seed=cfg.seed, batched=cfg.runtime.batched
-        )
-        server = FedAvgServer(cfg.fedavg, full.initial(), server_rng)
+        server = FedAvgServer(cfg.fedavg, model.initial(), server_rng)
 
         def embedding_weights() -> np.ndarray:
             return server.weights[: embed_flat.num_params]
 
-    runtime = SimulationRuntime(
-        pool, rng=runtime_rng, faults=_faults(cfg), max_message_bytes=cfg.runtime.max_message_bytes, tap=tap
-    )
-    return Trainer(server, runtime, embed_flat, embedding_weights, host)
+    pool = None
+    if simulated:
+        pool = build_clients(cfg, population, sessions=sessions)
+        runtime = SimulationRuntime(
+            pool,
+            rng=runtime_rng,
+            faults=_faults(cfg),
+            max_message_bytes=cfg.runtime.max_message_bytes,
+            tap=tap,
+        )
+    return Trainer(server, runtime, embed_flat, embedding_weights, host, pool)
 
 
-def start_enclave(
-    cfg: ExperimentConfig, client_ids: list[str], dp: DPRelease | None, *, tap: Any = None
-) -> tuple[AttestedEnclave, EnclaveHost, dict[str, EnclaveClientSession]]:
-    """Launch the emulated TEE for an FDML run: a simulated platform measures and launches the
-    enclave (Alg. 1/2 config measured, DP noise seeded from ``cfg.seed`` for reproducibility), and
-    every device gets a session that expects that measurement and pins the platform's key."""
-    config = EnclaveConfig(
+def enclave_config(cfg: ExperimentConfig, dp: DPRelease | None, *, dp_seed: int | None) -> EnclaveConfig:
+    """The measured configuration of an FDML run's enclave (Alg. 1/2 settings, memory bound): devices
+    compute it from the same experiment config to know which measurement to expect."""
+    return EnclaveConfig(
         memory_limit_bytes=int(cfg.enclave.memory_limit_mib * 2**20),
         margin=cfg.fdml.margin,
         strategy=cfg.fdml.strategy,
@@ -150,16 +205,18 @@ def start_enclave(
         dp_bound_T=dp.bound_T if dp else 0.0,
         dp_noise_b=dp.noise_b if dp else 0.0,
         dp_drop_rate=dp.drop_rate if dp else 0.0,
-        dp_seed=cfg.seed if dp else None,
+        dp_seed=dp_seed if dp else None,
     )
-    platform = SimulatedPlatform.generate()
-    host = EnclaveHost.start(config, platform=platform, boundary=cfg.enclave.boundary, tap=tap)
-    expected = measure_enclave(config).digest
-    verifier = SimulatedQuoteVerifier(platform.public_key)
-    sessions = {
-        c: EnclaveClientSession(c, verifier=verifier, expected_measurement=expected) for c in client_ids
+
+
+def device_sessions(
+    client_ids: Sequence[str], platform_public_key: bytes, measurement: bytes
+) -> dict[str, EnclaveClientSession]:
+    """One attested-session object per device, pinning the platform's key and the expected measurement."""
+    verifier = SimulatedQuoteVerifier(platform_public_key)
+    return {
+        c: EnclaveClientSession(c, verifier=verifier, expected_measurement=measurement) for c in client_ids
     }
-    return AttestedEnclave(host, record_overhead=RECORD_OVERHEAD + 64), host, sessions
 
 
 def embed_samples(flat: FlatModel, weights: np.ndarray, samples: np.ndarray, batch: int = 1024) -> np.ndarray:
@@ -192,29 +249,155 @@ def _json_line(fh: Any, obj: dict[str, Any]) -> None:
     fh.flush()
 
 
+def _rewrite_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
+    """Keep the ``metrics.jsonl`` lines of rounds <= ``upto`` (a resumed run's past), atomically."""
+    kept: list[dict[str, Any]] = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            rnd = obj["eval"]["round"] if "eval" in obj else obj.get("round")
+            if isinstance(rnd, int) and rnd <= upto:
+                kept.append(obj)
+    atomic_write_bytes(path, "".join(json.dumps(o, sort_keys=True) + "\n" for o in kept).encode("utf-8"))
+    return kept
+
+
+def _pool_state(pool: Any) -> dict[str, Any]:
+    rngs = getattr(pool, "rngs", None)
+    return {c: g.bit_generator.state for c, g in rngs.items()} if rngs else {}
+
+
+def _restore_pool(pool: Any, states: dict[str, Any]) -> None:
+    for cid, state in states.items():
+        pool.rngs[cid].bit_generator.state = state
+
+
 def run_experiment(
-    cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = True, population: Any = None
+    cfg: ExperimentConfig,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    population: Any = None,
+    resume: bool = False,
+    network: Any = None,
 ) -> dict[str, Any]:
-    """Train and evaluate ``cfg``; write the run directory ``out_dir``; return ``results.json``'s data."""
+    """Train and evaluate ``cfg``; write the run directory ``out_dir``; return ``results.json``'s data.
+
+    After every applied round the server's state is checkpointed atomically (``checkpoint.npz``:
+    weights, optimizer moments, generator states, round). ``resume=True`` continues from it: the
+    metrics of later rounds are dropped, DP rounds already paid for (``privacy_spent.jsonl``, written
+    before each release) stay paid and are never run again under the same number. ``network`` (a
+    :class:`fedveil.experiments.network_run.NetworkPlan`) trains over device agents instead of the
+    in-process simulation.
+    """
     torch.set_num_threads(cfg.runtime.threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+    resolved = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    previous = load_checkpoint(out) if resume else None
+    if resume and (out / "config.yaml").exists() and (out / "config.yaml").read_text("utf-8") != resolved:
+        raise ConfigError(
+            f"{out / 'config.yaml'} holds another config than this one: resume with the same config, "
+            "or choose another --out"
+        )
+    (out / "config.yaml").write_text(resolved, encoding="utf-8")
     population = population if population is not None else build_population(cfg)
     privacy = plan_privacy(cfg, population, EMBEDDING_DIM)
-    trainer = build_trainer(cfg, population, privacy.release if privacy else None)
-    losses: list[tuple[int, float]] = []
-    evals: list[tuple[int, float]] = []
+    spend = SpendLog(out)
+    if not resume:
+        spend.reset()
+    paid = spend.rounds()
+    start = previous.round + 1 if previous else 1
+    lost = sorted(r for r in set(paid) if r >= start)
+    if privacy:
+        privacy.ledger.restore(len(paid))
+    first_round = max([start - 1, *paid]) + 1
+    dp_seed = None
+    if network is None and first_round > 1:
+        # a resumed simulation draws fresh DP noise: replaying the stream of round 1 would correlate releases
+        dp_seed = int(np.random.SeedSequence([cfg.seed, first_round]).generate_state(1)[0])
+    runtime, platform = network.make_runtime(cfg, out) if network is not None else (None, None)
+    trainer = build_trainer(
+        cfg,
+        population,
+        privacy.release if privacy else None,
+        runtime=runtime,
+        platform=platform,
+        dp_seed=dp_seed,
+    )
+    if previous is not None:
+        trainer.server.load_state_dict(previous.arrays, previous.meta["server"])
+        if trainer.pool is not None:
+            _restore_pool(trainer.pool, previous.meta.get("pool", {}))
+            trainer.runtime.rng.bit_generator.state = previous.meta["runtime_rng"]
+    if privacy:
+
+        def pay(rnd: int) -> None:
+            spend.record(rnd)
+            privacy.ledger.record_round()
+
+        trainer.server.before_release = pay
+    history = _rewrite_metrics(out / "metrics.jsonl", start - 1) if resume else []
+    losses: list[tuple[int, float]] = [
+        (h["round"], float(h["loss"])) for h in history if "round" in h and h.get("loss") is not None
+    ]
+    evals: list[tuple[int, float]] = [
+        (h["eval"]["round"], h["eval"]["accuracy_percent"]) for h in history if "eval" in h
+    ]
     totals = {"bytes_up": 0, "bytes_down": 0, "sim_seconds": 0.0, "dropouts": 0, "applied": 0, "rounds": 0}
+    for h in history:
+        if "round" in h and "applied" in h:
+            for key in ("bytes_up", "bytes_down", "sim_seconds", "dropouts"):
+                totals[key] += h.get(key, 0)
+            totals["applied"] += int(bool(h["applied"]))
+            totals["rounds"] += 1
     started = time.perf_counter()
     metrics: dict[str, Any] = {}
     roc = None
     stopped: str | None = None
+    timings: list[dict[str, Any]] = []
+
+    def save(rnd: int) -> None:
+        arrays, meta = trainer.server.state_dict()
+        extra: dict[str, Any] = {"server": meta}
+        if trainer.pool is not None:
+            extra["pool"] = _pool_state(trainer.pool)
+            extra["runtime_rng"] = trainer.runtime.rng.bit_generator.state
+        save_checkpoint(out, Checkpoint(rnd, arrays, extra))
 
     async def train(fh: Any) -> None:
         nonlocal metrics, roc, stopped
+        if network is not None:
+            await network.start(trainer.runtime, cfg, population, out)
         await trainer.server.register(trainer.runtime)
-        bar = tqdm(range(1, cfg.rounds + 1), desc=cfg.name, unit="round", disable=not progress, leave=True)
+        for rnd in lost:
+            _json_line(
+                fh,
+                {
+                    "round": rnd,
+                    "applied": False,
+                    "interrupted": True,
+                    "dropouts": 0,
+                    "bytes_up": 0,
+                    "bytes_down": 0,
+                    "sim_seconds": 0.0,
+                    "note": "DP release paid before a crash; not applied",
+                },
+            )
+            totals["rounds"] += 1
+        bar = tqdm(
+            range(first_round, cfg.rounds + 1),
+            desc=cfg.name,
+            unit="round",
+            disable=not progress,
+            leave=True,
+            initial=first_round - 1,
+            total=cfg.rounds,
+        )
+        last = first_round - 1
         for rnd in bar:
             if (
                 privacy
@@ -227,18 +410,23 @@ def run_experiment(
                     f"({privacy.ledger.guard} accounting)"
                 )
                 _json_line(fh, {"stopped": stopped})
-                metrics, roc = evaluate(trainer, population, cfg.eval.seed)
+                metrics, roc = await asyncio.to_thread(evaluate, trainer, population, cfg.eval.seed)
                 _json_line(fh, {"eval": {"round": rnd - 1, **metrics}})
                 break
             t0 = time.perf_counter()
             report = await trainer.server.run_round(rnd, trainer.runtime)
             line = report.as_dict()
-            if privacy and report.loss is not None:
-                privacy.ledger.record_round()
             if privacy:
                 line.update({f"privacy_{k}": v for k, v in privacy.ledger.report().items()})
             line["real_seconds"] = time.perf_counter() - t0
+            stats = trainer.runtime.stats()
+            if stats.timings:
+                line.update(summarise_timings(stats.timings))
+                timings.append({"round": rnd, "devices": [asdict(t) for t in stats.timings]})
+                stats.timings.clear()
+            save(rnd)
             _json_line(fh, line)
+            last = rnd
             for key in ("bytes_up", "bytes_down", "sim_seconds", "dropouts"):
                 totals[key] += line[key]
             totals["applied"] += int(report.applied)
@@ -251,20 +439,30 @@ def run_experiment(
                 refresh=False,
             )
             if (cfg.eval.every and rnd % cfg.eval.every == 0) or rnd == cfg.rounds:
-                metrics, roc = evaluate(trainer, population, cfg.eval.seed)
+                metrics, roc = await asyncio.to_thread(evaluate, trainer, population, cfg.eval.seed)
                 evals.append((rnd, metrics["accuracy_percent"]))
                 _json_line(fh, {"eval": {"round": rnd, **metrics}})
-                np.savez(out / "checkpoint.npz", weights=trainer.server.weights, round=np.int64(rnd))
+        if not metrics:
+            metrics, roc = await asyncio.to_thread(evaluate, trainer, population, cfg.eval.seed)
+            _json_line(fh, {"eval": {"round": last, **metrics}})
+
+    async def main(fh: Any) -> None:
+        try:
+            await train(fh)
+        finally:
+            if network is not None:
+                await network.stop(trainer.runtime)
 
     try:
-        with open(out / "metrics.jsonl", "w", encoding="utf-8") as fh:
-            asyncio.run(train(fh))
+        with open(out / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            asyncio.run(main(fh))
     finally:
         trainer.close()
     real = time.perf_counter() - started
     results = {
         "name": cfg.name,
         "protocol": cfg.protocol,
+        "runtime": "network" if network is not None else "simulation",
         "rounds": totals["rounds"],
         "rounds_applied": totals["applied"],
         **metrics,
@@ -274,13 +472,28 @@ def run_experiment(
         "dropouts": totals["dropouts"],
         "sim_seconds": totals["sim_seconds"],
         "real_seconds": real,
-        "rounds_per_second": totals["rounds"] / real if real > 0 else math.inf,
+        "rounds_per_second": (totals["rounds"] - len(history)) / real if real > 0 else math.inf,
     }
+    if resume and previous is not None:
+        results["resumed_after_round"] = previous.round
     if privacy:
-        results["privacy"] = {**privacy.summary, **privacy.ledger.report()}
+        results["privacy"] = {
+            **privacy.summary,
+            **privacy.ledger.report(),
+            "rounds_paid": len(spend.rounds()),
+        }
     if stopped:
         results["stopped"] = stopped
     (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if timings:
+        with open(out / "devices.jsonl", "a", encoding="utf-8") as dh:
+            for t in timings:
+                dh.write(json.dumps(t, sort_keys=True) + "\n")
+        plot_round_timing(
+            timings[-1]["devices"],
+            out / "round_timing.png",
+            title=f"{cfg.name}: round {timings[-1]['round']}",
+        )
     if losses:
         plot_series({"loss": losses}, out / "loss.png", title=f"{cfg.name}: training loss", ylabel="loss")
     if evals:

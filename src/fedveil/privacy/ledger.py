@@ -233,6 +233,20 @@ class PrivacyLedger:
         self._rounds += 1
         self._lookahead.clear()
 
+    def restore(self, rounds: int) -> None:
+        """Record ``rounds`` default rounds at once (a resumed run's durable spend log), composing
+        each accounting's PLD by self-composition rather than round by round."""
+        if isinstance(rounds, bool) or not isinstance(rounds, numbers.Integral) or rounds < 0:
+            raise ConfigError(f"rounds {rounds!r} must be an integer >= 0")
+        if rounds == 0:
+            return
+        for name in ACCOUNTINGS:
+            if self._uniform(name):
+                self._running[name] = self._ahead(name, int(rounds))
+            self._counts[name][self._default[name]] += int(rounds)
+        self._rounds += int(rounds)
+        self._lookahead.clear()
+
     def _ahead(self, accounting: str, extra: int) -> Any:
         """PLD of the recorded rounds plus ``extra`` default rounds (recorded rounds all default)."""
         key = (accounting, self._rounds, extra)

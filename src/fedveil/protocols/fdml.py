@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.func import grad, vmap
 
+from fedveil.core.attestation_verify import EnclaveClientSession
 from fedveil.core.communicator import ClientId, Communicator
 from fedveil.enclave.aggregate import aggregate_gradients
 from fedveil.enclave.dp import private_derivatives
@@ -334,11 +335,42 @@ class FDMLServer:
         self.params = torch.nn.Parameter(as_tensor(initial_weights))
         self.optimizer = torch.optim.Adam([self.params], lr=cfg.lr)
         self.groups: dict[str, list[ClientId]] = {}
+        self.before_release: Callable[[int], None] | None = None
+        """Called with the round number right before the enclave releases step-5 derivatives, so a
+        privacy spend is recorded durably before the release it pays for leaves the enclave."""
 
     @property
     def weights(self) -> np.ndarray:
         """The global embedding network's flat parameters (a copy)."""
         return self.params.detach().numpy().copy()
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Everything a resumed run needs: weights and Adam's moments (arrays), Adam's step count and
+        the selection generator's state (JSON-ready)."""
+        arrays = {"weights": self.weights}
+        meta: dict[str, Any] = {"rng": self.rng.bit_generator.state, "adam_step": None}
+        state = self.optimizer.state.get(self.params)
+        if state:
+            arrays["adam_exp_avg"] = state["exp_avg"].numpy().copy()
+            arrays["adam_exp_avg_sq"] = state["exp_avg_sq"].numpy().copy()
+            meta["adam_step"] = float(state["step"])
+        return arrays, meta
+
+    def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (shapes checked)."""
+        weights = np.asarray(arrays["weights"], dtype=np.float32)
+        if weights.shape != tuple(self.params.shape):
+            raise ConfigError(f"checkpoint weights of shape {weights.shape}, model has {tuple(self.params.shape)}")
+        with torch.no_grad():
+            self.params.copy_(torch.from_numpy(weights.copy()))
+        self.rng.bit_generator.state = dict(meta["rng"])
+        self.optimizer.state.clear()
+        if meta.get("adam_step") is not None:
+            self.optimizer.state[self.params] = {
+                "step": torch.tensor(float(meta["adam_step"])),
+                "exp_avg": torch.from_numpy(np.array(arrays["adam_exp_avg"], dtype=np.float32)),
+                "exp_avg_sq": torch.from_numpy(np.array(arrays["adam_exp_avg_sq"], dtype=np.float32)),
+            }
 
     async def register(
         self, comm: Communicator, *, group_by: str = "phone_model", timeout: float = 60.0
@@ -421,6 +453,8 @@ class FDMLServer:
         else:
             return fill_traffic(RoundReport(rnd, False, None, attempt, len(embeds), 0), before, comm.stats())
 
+        if self.before_release is not None:
+            self.before_release(rnd)
         five = self.enclave.step_five(rnd, attempt, embeds)
         same_round = self._round_check(rnd, attempt)
         num_params = int(self.params.numel())
@@ -485,7 +519,7 @@ class FDMLClients:
         input_shape: Sequence[int] = (1, 30, 10),
         sessions: Mapping[ClientId, Any] | None = None,
     ) -> None:
-        self.sessions = sessions
+        self.sessions = dict(sessions) if sessions is not None else None
         self.data = data
         self.flat = flat
         self.attributes = attributes
@@ -519,7 +553,16 @@ class FDMLClients:
         return out
 
     def _register(self, cid: ClientId) -> Register:
-        hello = self.sessions[cid].hello() if self.sessions is not None else None
+        """Step 1; with an enclave, every registration opens a new attested session (a restarted
+        server runs a new enclave, which the device must attest afresh)."""
+        hello = None
+        if self.sessions is not None:
+            old = self.sessions[cid]
+            if old.used:
+                self.sessions[cid] = EnclaveClientSession(
+                    cid, verifier=old.verifier, expected_measurement=old.expected_measurement
+                )
+            hello = self.sessions[cid].hello()
         return Register("fdml", dict(self.attributes[cid]), hello)
 
     def _attest(self, cid: ClientId, msg: SessionOffer) -> object:

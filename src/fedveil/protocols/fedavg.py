@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,6 +84,18 @@ class FedAvgServer:
     def weights(self) -> np.ndarray:
         """The global model's flat parameters (embedding network first, then the head)."""
         return self._weights.copy()
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The global weights and the selection generator's state, for a resumed run."""
+        return {"weights": self.weights}, {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (shape checked)."""
+        weights = np.array(arrays["weights"], dtype=np.float32)
+        if weights.shape != self._weights.shape:
+            raise ConfigError(f"checkpoint weights of shape {weights.shape}, model has {self._weights.shape}")
+        self._weights = weights
+        self.rng.bit_generator.state = dict(meta["rng"])
 
     async def register(self, comm: Communicator, *, group_by: str = "phone_model") -> None:
         """Registration, as FDML's step 1."""
