@@ -1,0 +1,257 @@
+"""Experiments over the network: the server side of ``fedveil server`` / ``fedveil run --runtime network``
+and the device side of ``fedveil agent`` (docs/deployment.md).
+
+The server and every device build their halves from the **same experiment config**: the server its
+protocol server and enclave, a device its client code (:func:`fedveil.experiments.runner.build_clients`),
+its data (the synthetic population regenerated from the config's seed, or its local touch-log CSV) and,
+for FDML through the emulated TEE, the enclave measurement it expects, computed from the config: a
+server that launches any other enclave fails attestation.
+
+The emulated quoting platform's key lives in the PKI directory (``platform.key``, 0600, the server's
+host only; ``platform.pub``, given to every device to pin). On real SGX hardware that root is the CPU
+vendor's, not a file: docs/tee.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedveil.errors import ConfigError
+from fedveil.experiments.config import ExperimentConfig
+from fedveil.runtime.network import certs
+from fedveil.runtime.network.agent import AgentHost
+from fedveil.runtime.network.server import NetworkRuntime
+from fedveil.runtime.quoting import SimulatedPlatform
+
+log = logging.getLogger(__name__)
+
+PLATFORM_KEY = "platform.key"
+PLATFORM_PUB = "platform.pub"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def platform_for(pki: str | Path) -> SimulatedPlatform:
+    """The emulated quoting platform of this deployment: loaded from ``pki/platform.key``, or made
+    there on first use (with ``platform.pub`` beside it for the devices)."""
+    root = Path(pki)
+    key = root / PLATFORM_KEY
+    if key.exists():
+        return SimulatedPlatform.from_private_bytes(key.read_bytes())
+    seed = os.urandom(32)
+    platform = SimulatedPlatform.from_private_bytes(seed)
+    _write_private(key, seed)
+    (root / PLATFORM_PUB).write_bytes(platform.public_key)
+    return platform
+
+
+def uses_enclave(cfg: ExperimentConfig) -> bool:
+    """Whether the run attests an enclave (FDML through the emulated TEE)."""
+    return cfg.protocol == "fdml" and cfg.enclave.boundary != "none"
+
+
+@dataclass
+class NetworkPlan:
+    """How a run reaches its devices: the server's ``listen`` address, its ``pki`` (``None`` with
+    ``agents`` > 0: one is made in ``<run dir>/pki``), ``insecure`` plaintext (explicit only), how many
+    local agent processes to start (``agents``; 0 = devices connect by themselves), how long to wait
+    for them (``wait_seconds``) and how many devices must be connected to start (``min_devices``,
+    default: every device of the population)."""
+
+    listen: str = "127.0.0.1:0"
+    pki: Path | None = None
+    insecure: bool = False
+    agents: int = 0
+    wait_seconds: float = 300.0
+    min_devices: int | None = None
+    enrol_listen: str | None = None
+    heartbeat_seconds: float = 5.0
+    agent_threads: int = 1
+    _procs: list[asyncio.subprocess.Process] = field(default_factory=list)
+    _pki: Path | None = None
+
+    def make_runtime(
+        self, cfg: ExperimentConfig, out: Path
+    ) -> tuple[NetworkRuntime, SimulatedPlatform | None]:
+        """The server-side runtime (not yet listening) and, for an attested enclave, its platform."""
+        if self.agents < 0:
+            raise ConfigError(f"agents {self.agents!r} must be >= 0")
+        pki = self.pki
+        if pki is None and not self.insecure:
+            if not self.agents:
+                raise ConfigError(
+                    "the server needs --pki DIR (made by `fedveil certs init DIR`), or --insecure"
+                )
+            pki = out / "pki"
+            if not (pki / "ca.crt").exists():
+                certs.init_pki(pki)
+        self._pki = pki
+        runtime = NetworkRuntime(
+            self.listen,
+            pki=pki,
+            insecure=self.insecure,
+            enrol_listen=self.enrol_listen,
+            max_message_bytes=cfg.runtime.max_message_bytes,
+            heartbeat_seconds=self.heartbeat_seconds,
+        )
+        platform = None
+        if uses_enclave(cfg):
+            if pki is None:
+                raise ConfigError(
+                    "FDML through the emulated TEE pins a platform key kept in the PKI directory"
+                )
+            platform = platform_for(pki)
+        return runtime, platform
+
+    async def start(self, runtime: NetworkRuntime, cfg: ExperimentConfig, population: Any, out: Path) -> None:
+        """Listen, start the local agents, and wait until enough devices are connected."""
+        port = await runtime.start()
+        ids = list(population.train_user_ids())
+        if self.agents:
+            await self._spawn(port, ids, out)
+        need = len(ids) if self.min_devices is None else self.min_devices
+        log.info("waiting up to %.0f s for %d devices on port %d", self.wait_seconds, need, port)
+        got = await runtime.wait_for_devices(need, self.wait_seconds)
+        if len(got) < need:
+            raise ConfigError(
+                f"only {len(got)} of {need} devices connected within {self.wait_seconds:g} s; "
+                "start more agents or lower --min-devices"
+            )
+
+    async def _spawn(self, port: int, ids: list[str], out: Path) -> None:
+        cred_dir = out / "devices"
+        cred_dir.mkdir(exist_ok=True)
+        if not self.insecure:
+            assert self._pki is not None
+            for name in ids:
+                if not (cred_dir / name / "device.crt").exists():
+                    certs.issue_device(self._pki, name).write(cred_dir / name)
+        n = min(self.agents, len(ids))
+        for i in range(n):
+            cmd = [
+                sys.executable,
+                "-m",
+                "fedveil",
+                "agent",
+                "--server",
+                f"127.0.0.1:{port}",
+                "--config",
+                str(out / "config.yaml"),
+                "--shard",
+                f"{i}/{n}",
+                "--give-up-after",
+                str(max(60.0, self.wait_seconds)),
+                "--threads",
+                str(self.agent_threads),
+            ]
+            if self.insecure:
+                cmd.append("--insecure")
+            else:
+                assert self._pki is not None
+                cmd += ["--credentials", str(cred_dir)]
+                if (self._pki / PLATFORM_PUB).exists():
+                    cmd += ["--platform-key", str(self._pki / PLATFORM_PUB)]
+            log_path = out / f"agent-{i}.log"
+            with open(log_path, "wb") as fh:
+                proc = await asyncio.create_subprocess_exec(
+                    *cmd, stdout=fh, stderr=fh, start_new_session=True
+                )
+            self._procs.append(proc)
+
+    async def stop(self, runtime: NetworkRuntime, grace: float = 30.0) -> None:
+        """Tell every agent training is over, stop serving, and make sure local agents exit."""
+        await runtime.close()
+        for proc in self._procs:
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        self._procs.clear()
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``I/N`` -> (I, N) with 0 <= I < N."""
+    left, sep, right = text.partition("/")
+    if not sep or not left.isdigit() or not right.isdigit() or not 0 <= int(left) < int(right):
+        raise ConfigError(f"shard {text!r} is not I/N with 0 <= I < N (e.g. 0/8)")
+    return int(left), int(right)
+
+
+def build_agent(
+    cfg: ExperimentConfig,
+    server: str,
+    *,
+    devices: list[str] | None = None,
+    shard: tuple[int, int] | None = None,
+    credentials: str | Path | None = None,
+    insecure: bool = False,
+    platform_public_key: bytes | None = None,
+    give_up_after: float | None = None,
+    population: Any = None,
+    server_name: str | None = None,
+) -> AgentHost:
+    """A device agent for ``cfg``: its devices (``devices``, or shard ``I/N`` of the population, or all),
+    their client code and data, their credentials (``credentials/<device>/device.crt`` ...) and, for
+    FDML through the emulated TEE, their enclave sessions pinned to ``platform_public_key`` and the
+    measurement computed from ``cfg``."""
+    from fedveil.enclave.measure import measure_enclave
+    from fedveil.experiments.privacy_setup import plan_privacy
+    from fedveil.experiments.runner import (
+        EMBEDDING_DIM,
+        build_clients,
+        build_population,
+        device_sessions,
+        enclave_config,
+    )
+
+    population = population if population is not None else build_population(cfg)
+    ids = list(population.train_user_ids())
+    if devices:
+        unknown = sorted(set(devices) - set(ids))
+        if unknown:
+            raise ConfigError(f"devices {unknown[:5]} are not users of this experiment's data")
+        mine = list(devices)
+    elif shard is not None:
+        mine = ids[shard[0] :: shard[1]]
+    else:
+        mine = ids
+    sessions = None
+    if uses_enclave(cfg):
+        if platform_public_key is None:
+            raise ConfigError(
+                "FDML through the emulated TEE: give the platform's public key (--platform-key FILE)"
+            )
+        privacy = plan_privacy(cfg, population, EMBEDDING_DIM)
+        measurement = measure_enclave(enclave_config(cfg, privacy.release if privacy else None, dp_seed=None))
+        sessions = device_sessions(mine, platform_public_key, measurement.digest)
+    pool = build_clients(cfg, population, sessions=sessions)
+    creds: dict[str, certs.DeviceCredentials | None] = {}
+    for name in mine:
+        if insecure:
+            creds[name] = None
+        else:
+            if credentials is None:
+                raise ConfigError("devices need their credentials (--credentials DIR), or --insecure")
+            creds[name] = certs.DeviceCredentials.read(Path(credentials) / name)
+    return AgentHost(
+        server,
+        creds,
+        pool,
+        insecure=insecure,
+        max_message_bytes=cfg.runtime.max_message_bytes,
+        give_up_after=give_up_after,
+        server_name=server_name,
+    )

@@ -1,0 +1,291 @@
+"""Device agents: the client side of the networked runtime.
+
+An :class:`AgentHost` runs one or more devices in one process. Each device dials the server on its own
+gRPC stream with its own identity (its certificate under mutual TLS), sends its hello, then answers the
+server's requests with the **same client code as the simulation**: a protocol's client pool
+(``FDMLClients``, ``FedAvgClients``, ``UvClients``...) whose ``handle_batch`` gets the decoded messages and
+whose state persists across rounds. Requests for several of the host's devices that are waiting at the
+same moment are handed to the pool together, so a pool that batches a phase (one forward pass for the
+cohort) does so here too, behind the same equality tests as in simulation; a broadcast payload is
+decoded once for all of them.
+
+A device reconnects by itself after any failure, with exponential backoff and full jitter
+(``base * 2**attempt``, capped, times a uniform factor in [0.5, 1.5)), sends heartbeats, and exits when
+the server says training is over (:class:`~fedveil.runtime.network.wire.Goodbye` with ``final``) or, if
+``give_up_after`` is set, after that many seconds without reaching the server. A server that vanishes
+never crashes an agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from fedveil.core import codec
+from fedveil.errors import CodecError, ConfigError, FedveilError
+from fedveil.runtime.network import certs, wire
+from fedveil.runtime.simulation import ClientPool, LatencyModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Work:
+    device: str
+    request: wire.ServerRequest
+    received_at: float
+    call: Any
+
+
+@dataclass
+class _DeviceState:
+    name: str
+    credentials: certs.DeviceCredentials | None
+    call: Any = None
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    done: bool = False
+    refused: str = ""
+    connections: int = 0
+
+
+class AgentHost:
+    """Devices of one process, each on its own stream to ``server`` (``HOST:PORT``).
+
+    ``devices`` maps each device id to its credentials (``None`` only with ``insecure=True``);
+    ``pool`` is the client pool that answers for all of them. ``tte`` adds a simulated time on the
+    device before each reply (PoliFL Sec. 5.4 replays TTE from a distribution); ``server_name``
+    overrides the TLS host name checked against the server certificate.
+    """
+
+    def __init__(
+        self,
+        server: str,
+        devices: Mapping[str, certs.DeviceCredentials | None],
+        pool: ClientPool,
+        *,
+        insecure: bool = False,
+        server_name: str | None = None,
+        max_message_bytes: int = 64 * 2**20,
+        backoff: tuple[float, float] = (0.2, 10.0),
+        give_up_after: float | None = None,
+        tte: LatencyModel | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if not devices:
+            raise ConfigError("an agent needs at least one device")
+        for name, cred in devices.items():
+            certs.check_device_name(name)
+            if cred is None and not insecure:
+                raise ConfigError(
+                    f"device {name!r} has no credentials (fedveil certs device {name}), or --insecure"
+                )
+        self.server = server
+        self.pool = pool
+        self.insecure = insecure
+        self.server_name = server_name
+        self.max_message_bytes = max_message_bytes
+        self.backoff = backoff
+        self.give_up_after = give_up_after
+        self.tte = tte
+        self._jitter = random.Random(seed)
+        self._tte_rng = np.random.default_rng(seed)
+        self._devices = {name: _DeviceState(name, cred) for name, cred in devices.items()}
+        self._queue: asyncio.Queue[_Work] = asyncio.Queue()
+        self.handled = 0
+        self.batch_window = 0.002
+        """Seconds the worker waits after a request for others to join its batch."""
+
+    @property
+    def devices(self) -> list[str]:
+        """The hosted device ids."""
+        return list(self._devices)
+
+    def connections(self, device: str) -> int:
+        """How many times ``device`` has been welcomed (1 + reconnections)."""
+        return self._devices[device].connections
+
+    async def run(self) -> dict[str, str]:
+        """Serve until every device is done; returns each device's ending (``finished`` or a reason)."""
+        worker = asyncio.create_task(self._worker())
+        try:
+            results = await asyncio.gather(*(self._device_loop(d) for d in self._devices.values()))
+        finally:
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker
+        return dict(zip(self._devices, results, strict=True))
+
+    def _channel(self, state: _DeviceState) -> grpc.aio.Channel:
+        limit = self.max_message_bytes + wire.ENVELOPE_OVERHEAD
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.keepalive_time_ms", 20_000),
+            # one connection per device, never shared between the host's devices
+            ("grpc.use_local_subchannel_pool", 1),
+            ("fedveil.device", state.name),
+        ]
+        if self.insecure:
+            return grpc.aio.insecure_channel(self.server, options=options)
+        cred = state.credentials
+        assert cred is not None
+        if self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=cred.ca_pem, private_key=cred.key_pem, certificate_chain=cred.cert_pem
+        )
+        return grpc.aio.secure_channel(self.server, creds, options=options)
+
+    async def _device_loop(self, state: _DeviceState) -> str:
+        attempt = 0
+        last_contact = time.monotonic()
+        while True:
+            welcomed = False
+            try:
+                welcomed = await self._session(state)
+            except (grpc.aio.AioRpcError, CodecError, ConnectionError, OSError) as exc:
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                log.info("device %s: connection to %s lost: %s", state.name, self.server, detail)
+            if state.done:
+                return "finished"
+            if welcomed:
+                attempt = 0
+                last_contact = time.monotonic()
+            if self.give_up_after is not None and time.monotonic() - last_contact > self.give_up_after:
+                reason = state.refused or f"no server at {self.server} for {self.give_up_after:g} s"
+                log.warning("device %s gives up: %s", state.name, reason)
+                return f"gave up: {reason}"
+            delay = min(self.backoff[1], self.backoff[0] * 2**attempt) * self._jitter.uniform(0.5, 1.5)
+            attempt += 1
+            await asyncio.sleep(delay)
+
+    async def _session(self, state: _DeviceState) -> bool:
+        """One connection: hello, welcome, then requests until the stream ends; True if welcomed."""
+        async with self._channel(state) as channel:
+            call = channel.stream_stream(wire.CONNECT_METHOD)()
+            await call.write(codec.encode(wire.AgentHello(state.name, wire.PROTOCOL_VERSION)))
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                return False
+            env = codec.decode(first, max_bytes=wire.ENVELOPE_OVERHEAD, expected=(wire.Welcome, wire.Goodbye))
+            if isinstance(env, wire.Goodbye):
+                state.refused = env.reason
+                log.warning("device %s refused by the server: %s", state.name, env.reason)
+                return False
+            state.connections += 1
+            state.refused = ""
+            state.call = call
+            beat = asyncio.create_task(self._heartbeats(state, call, env.heartbeat_seconds))
+            try:
+                await self._read(state, call)
+            finally:
+                beat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beat
+                state.call = None
+            return True
+
+    async def _heartbeats(self, state: _DeviceState, call: Any, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            async with state.write_lock:
+                await call.write(codec.encode(wire.Heartbeat(time.time())))
+
+    async def _read(self, state: _DeviceState, call: Any) -> None:
+        limit = self.max_message_bytes + wire.ENVELOPE_OVERHEAD
+        while True:
+            frame = await call.read()
+            if frame is grpc.aio.EOF:
+                return
+            received = time.time()
+            env = codec.decode(frame, max_bytes=limit, expected=(wire.ServerRequest, wire.Goodbye))
+            if isinstance(env, wire.Goodbye):
+                log.info("device %s: server says goodbye: %s", state.name, env.reason)
+                if env.final:
+                    state.done = True
+                    with contextlib.suppress(Exception):
+                        await call.done_writing()
+                return
+            self._queue.put_nowait(_Work(state.name, env, received, call))
+
+    async def _worker(self) -> None:
+        """Hand waiting requests to the pool together (one per device per batch), send the replies."""
+        while True:
+            batch = [await self._queue.get()]
+            await asyncio.sleep(self.batch_window)
+            deferred: list[_Work] = []
+            seen = {batch[0].device}
+            while not self._queue.empty():
+                item = self._queue.get_nowait()
+                (deferred if item.device in seen else batch).append(item)
+                seen.add(item.device)
+            for item in deferred:
+                self._queue.put_nowait(item)
+            await self._answer(batch)
+
+    async def _answer(self, batch: list[_Work]) -> None:
+        decoded: dict[bytes, Any] = {}
+        msgs: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        for item in batch:
+            payload = item.request.payload
+            try:
+                if payload not in decoded:
+                    decoded[payload] = codec.decode(payload, max_bytes=self.max_message_bytes)
+                msgs[item.device] = decoded[payload]
+            except CodecError as exc:
+                errors[item.device] = f"CodecError: {exc}"
+        results = await asyncio.to_thread(self.pool.handle_batch, msgs) if msgs else {}
+        if self.tte is not None:
+            await asyncio.sleep(float(self.tte.sample(self._tte_rng, 1)[0]))
+        for item in batch:
+            reply = results.get(item.device)
+            error = errors.get(item.device, "")
+            payload = b""
+            if isinstance(reply, Exception):
+                error = f"{type(reply).__name__}: {reply}"
+            elif reply is not None:
+                try:
+                    payload = reply if isinstance(reply, bytes) else codec.encode(reply)
+                except (CodecError, FedveilError) as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+            elif not error:
+                error = "the device produced no reply"
+            frame = codec.encode(
+                wire.AgentReply(item.request.request_id, item.received_at, time.time(), payload, error)
+            )
+            state = self._devices[item.device]
+            if state.call is not item.call:
+                log.info(
+                    "device %s: reply to request %d dropped (stream closed)",
+                    item.device,
+                    item.request.request_id,
+                )
+                continue
+            try:
+                async with state.write_lock:
+                    await item.call.write(frame)
+                self.handled += 1
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                log.info("device %s: could not send reply: %s", item.device, exc)
+
+
+def run_agents(
+    host_factory: Callable[[], AgentHost],
+) -> dict[str, str]:
+    """Run an :class:`AgentHost` made in a fresh event loop until its devices are done."""
+
+    async def go() -> dict[str, str]:
+        return await host_factory().run()
+
+    return asyncio.run(go())
