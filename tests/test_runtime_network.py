@@ -346,3 +346,31 @@ def test_agent_without_a_server_gives_up_by_itself() -> None:
 
     out = _run(go(), timeout=20)
     assert out["x"].startswith("gave up: no server")
+
+
+def test_enrolment_token_buys_one_certificate(pki: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from fedveil.runtime.network.enrol import enrol
+
+    token = certs.create_token(pki, "newbie")
+    secret = token.rpartition(".")[2]
+    ca = (pki / "ca.crt").read_bytes()
+
+    async def go() -> None:
+        runtime = NetworkRuntime("127.0.0.1:0", pki=pki, enrol_listen="127.0.0.1:0", heartbeat_seconds=0.5)
+        port = await runtime.start()
+        creds = await enrol(f"127.0.0.1:{runtime.enrol_port}", token, ca)
+        assert creds.name == "newbie"
+        with pytest.raises(ConfigError, match="enrolment at .* failed"):
+            await enrol(f"127.0.0.1:{runtime.enrol_port}", token, ca)  # used once already
+        with pytest.raises(ConfigError, match="failed"):
+            await enrol(f"127.0.0.1:{runtime.enrol_port}", "newbie.wrong-secret", ca)
+        pool = EchoPool(["newbie"])
+        agents = asyncio.create_task(_host(f"127.0.0.1:{port}", {"newbie": creds}, pool).run())
+        assert await runtime.wait_for_devices(["newbie"], 10) == ["newbie"]
+        await runtime.close()
+        await agents
+        # the enrolment port asks for no client certificate; the device port still does
+        assert not any(secret in r.reason for r in runtime.refusals)
+
+    _run(go())
+    assert secret not in caplog.text

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,9 @@ class AgentHost:
     ``devices`` maps each device id to its credentials (``None`` only with ``insecure=True``);
     ``pool`` is the client pool that answers for all of them. ``tte`` adds a simulated time on the
     device before each reply (PoliFL Sec. 5.4 replays TTE from a distribution); ``server_name``
-    overrides the TLS host name checked against the server certificate.
+    overrides the TLS host name checked against the server certificate. The pool runs on one worker
+    thread (so the event loop keeps serving heartbeats while it computes); ``worker_init`` runs first on
+    that thread, e.g. to give it the process's torch thread settings (OpenMP keeps them per thread).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class AgentHost:
         give_up_after: float | None = None,
         tte: LatencyModel | None = None,
         seed: int | None = None,
+        worker_init: Callable[[], None] | None = None,
     ) -> None:
         if not devices:
             raise ConfigError("an agent needs at least one device")
@@ -101,6 +105,7 @@ class AgentHost:
         self._tte_rng = np.random.default_rng(seed)
         self._devices = {name: _DeviceState(name, cred) for name, cred in devices.items()}
         self._queue: asyncio.Queue[_Work] = asyncio.Queue()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedveil-agent", initializer=worker_init)
         self.handled = 0
         self.batch_window = 0.002
         """Seconds the worker waits after a request for others to join its batch."""
@@ -123,6 +128,7 @@ class AgentHost:
             worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
+            self._executor.shutdown(wait=False)
         return dict(zip(self._devices, results, strict=True))
 
     def _channel(self, state: _DeviceState) -> grpc.aio.Channel:
@@ -245,7 +251,8 @@ class AgentHost:
                 msgs[item.device] = decoded[payload]
             except CodecError as exc:
                 errors[item.device] = f"CodecError: {exc}"
-        results = await asyncio.to_thread(self.pool.handle_batch, msgs) if msgs else {}
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(self._executor, self.pool.handle_batch, msgs) if msgs else {}
         if self.tte is not None:
             await asyncio.sleep(float(self.tte.sample(self._tte_rng, 1)[0]))
         for item in batch:

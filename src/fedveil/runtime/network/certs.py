@@ -8,8 +8,8 @@ A PKI directory made by :func:`init_pki` holds
   alternative names are the hosts devices dial;
 - ``revoked.json``: ``{"serials": [hex, ...], "names": [device, ...]}``, read on every check, so a
   revocation applies to the next connection without restarting the server;
-- ``tokens.json``: ``{device: {"salt", "hash", "used", "created"}}``; only a salted SHA-256 of each
-  enrolment secret is stored, never the secret;
+- ``tokens.json`` (0600): ``{device: {"salt", "hash", "used", "created"}}``; only a salted SHA-256
+  of each enrolment secret is stored, never the secret;
 - ``issued.json``: a log ``[{"name", "serial", "not_after"}, ...]`` of the device certificates issued.
 
 A device gets its certificate either from the operator (:func:`issue_device`, ``fedveil certs
@@ -186,8 +186,8 @@ def _write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     _fsync_dir(path.parent)
 
 
-def _write_json(path: Path, doc: Any) -> None:
-    _write_atomic(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+def _write_json(path: Path, doc: Any, *, mode: int = 0o644) -> None:
+    _write_atomic(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8"), mode=mode)
 
 
 def _read_json(path: Path, default: Any) -> Any:
@@ -467,7 +467,7 @@ def init_pki(
         _write_atomic(paths.server_key, _private_pem(server_key), mode=0o600)
         _write_atomic(paths.server_cert, server_cert.public_bytes(serialization.Encoding.PEM))
         _write_json(paths.revoked, {"serials": [], "names": []})
-        _write_json(paths.tokens, {})
+        _write_json(paths.tokens, {}, mode=0o600)
         _write_json(paths.issued, [])
     return paths
 
@@ -607,16 +607,9 @@ def make_csr(name: str) -> tuple[bytes, bytes]:
     return _private_pem(key), csr.public_bytes(serialization.Encoding.PEM)
 
 
-def sign_csr(root: str | Path, csr_pem: bytes, name: str, *, days: int = 825) -> bytes:
-    """Sign a device's CSR as a client certificate for ``name``; returns the certificate PEM.
-
-    ``name`` is the device the enrolment token was bound to: the CSR's own subject and extensions
-    are ignored. The CSR must be PEM, self-signed correctly (proof that the requester holds the
-    key) and for an ECDSA P-256 or P-384 key; otherwise :class:`EnrolmentError`.
-    """
-    check_device_name(name)
-    days = _check_days(days)
-    paths = PkiPaths.of(root)
+def check_csr(csr_pem: bytes, name: str = "device") -> ec.EllipticCurvePublicKey:
+    """The public key of a well-formed, correctly self-signed CSR (PEM) for an ECDSA P-256 or P-384
+    key; :class:`EnrolmentError` otherwise. The enrolment server checks this before it spends a token."""
     if not isinstance(csr_pem, (bytes, bytearray)) or len(csr_pem) > _MAX_CSR_BYTES:
         raise EnrolmentError(
             f"the certificate signing request for device {name!r} is not PEM bytes of at most "
@@ -642,6 +635,20 @@ def sign_csr(root: str | Path, csr_pem: bytes, name: str, *, days: int = 825) ->
         raise EnrolmentError(
             f"the certificate signing request for device {name!r} has a {kind} key; use an ECDSA P-256 key"
         )
+    return public_key
+
+
+def sign_csr(root: str | Path, csr_pem: bytes, name: str, *, days: int = 825) -> bytes:
+    """Sign a device's CSR as a client certificate for ``name``; returns the certificate PEM.
+
+    ``name`` is the device the enrolment token was bound to: the CSR's own subject and extensions
+    are ignored. The CSR must be PEM, self-signed correctly (proof that the requester holds the
+    key) and for an ECDSA P-256 or P-384 key; otherwise :class:`EnrolmentError`.
+    """
+    check_device_name(name)
+    days = _check_days(days)
+    paths = PkiPaths.of(root)
+    public_key = check_csr(csr_pem, name)
     ca_cert, ca_key = _load_ca(paths)
     _refuse_revoked_name(paths, name, EnrolmentError)
     cert = _sign_leaf(
@@ -779,7 +786,7 @@ def revoke(root: str | Path, name_or_serial: str) -> str:
             tokens = _read_json(paths.tokens, {})
             if value in tokens:
                 del tokens[value]
-                _write_json(paths.tokens, tokens)
+                _write_json(paths.tokens, tokens, mode=0o600)
             what = f"device {value!r} (all its certificates)"
         _write_json(paths.revoked, revoked)
     return what
@@ -832,7 +839,7 @@ def create_token(root: str | Path, name: str) -> str:
             "used": False,
             "created": _now().isoformat(timespec="seconds"),
         }
-        _write_json(paths.tokens, tokens)
+        _write_json(paths.tokens, tokens, mode=0o600)
     return f"{name}.{secret}"
 
 
@@ -876,7 +883,7 @@ def redeem_token(root: str | Path, token: str) -> str:
         _refuse_revoked_name(paths, name, EnrolmentError)
         entry["used"] = True
         entry["used_at"] = _now().isoformat(timespec="seconds")
-        _write_json(paths.tokens, tokens)
+        _write_json(paths.tokens, tokens, mode=0o600)
     return name
 
 

@@ -510,6 +510,7 @@ class NetworkRuntime:
         try:
             msg = codec.decode(request, max_bytes=64 * 1024, expected=wire.EnrolRequest)
             assert self.pki is not None
+            certs.check_csr(msg.csr)
             name = certs.redeem_token(self.pki, msg.token)
             cert = certs.sign_csr(self.pki, msg.csr, name)
         except FedveilError as exc:
