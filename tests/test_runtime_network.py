@@ -360,7 +360,7 @@ def test_enrolment_token_buys_one_certificate(pki: Path, caplog: pytest.LogCaptu
         port = await runtime.start()
         creds = await enrol(f"127.0.0.1:{runtime.enrol_port}", token, ca)
         assert creds.name == "newbie"
-        with pytest.raises(ConfigError, match="enrolment at .* failed"):
+        with pytest.raises(ConfigError, match=r"enrolment at .* failed"):
             await enrol(f"127.0.0.1:{runtime.enrol_port}", token, ca)  # used once already
         with pytest.raises(ConfigError, match="failed"):
             await enrol(f"127.0.0.1:{runtime.enrol_port}", "newbie.wrong-secret", ca)

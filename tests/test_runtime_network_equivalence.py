@@ -2,7 +2,8 @@
 
 With no faults the network runtime delivers every request and returns the replies in the order the
 devices were addressed, as the simulation does when every reply has the same latency (a sampled
-latency reorders the simulation's replies, and step 5 stacks embeddings in reply order), and the devices run the same client pools with
+latency reorders the simulation's replies, and step 5 stacks embeddings in reply order), and the
+devices run the same client pools with
 the same seeds, so FDML (through the emulated TEE) and FedUV end bit-identical when the client work is
 one device at a time. With batched client work the agent batches whatever requests wait together, a
 different grouping than the simulation's, and float32 sums in another order: equal to 1e-5 there.
@@ -17,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_protocols_feduv import CFG, CODE_LENGTH, TinyNet
 
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv
 from fedveil.enclave.measure import measure_enclave
@@ -29,6 +29,7 @@ from fedveil.runtime.network.agent import AgentHost
 from fedveil.runtime.network.server import NetworkRuntime
 from fedveil.runtime.quoting import SimulatedPlatform
 from fedveil.runtime.simulation import SimulationRuntime
+from test_protocols_feduv import CFG, CODE_LENGTH, TinyNet
 
 SMALL = [
     "data.train_users_per_model=[6, 6]",
@@ -106,7 +107,9 @@ def test_fdml_and_fedavg_over_the_network_equal_the_simulation(
         got = asyncio.run(_over_network(pki, pool, ids, _fdml_rounds(net, 3)))
     finally:
         net.close()
-    assert not np.array_equal(got, build_trainer(cfg, toy_population).server.weights), "training moved nothing"
+    assert not np.array_equal(got, build_trainer(cfg, toy_population).server.weights), (
+        "training moved nothing"
+    )
     if batched:
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     else:
@@ -115,7 +118,9 @@ def test_fdml_and_fedavg_over_the_network_equal_the_simulation(
 
 def test_feduv_over_the_network_equals_the_simulation(pki: Path) -> None:
     data = generate_mnist_uv(
-        MnistUvConfig(seed=7, writers=6, train=5, val=4, test=3, unseen_writers=3, sub_images_per_digit=(2, 2, 2))
+        MnistUvConfig(
+            seed=7, writers=6, train=5, val=4, test=3, unseen_writers=3, sub_images_per_digit=(2, 2, 2)
+        )
     )
 
     def make() -> tuple[FedUVServer, UvClients]:

@@ -360,7 +360,9 @@ class FDMLServer:
         """Restore what :meth:`state_dict` saved (shapes checked)."""
         weights = np.asarray(arrays["weights"], dtype=np.float32)
         if weights.shape != tuple(self.params.shape):
-            raise ConfigError(f"checkpoint weights of shape {weights.shape}, model has {tuple(self.params.shape)}")
+            raise ConfigError(
+                f"checkpoint weights of shape {weights.shape}, model has {tuple(self.params.shape)}"
+            )
         with torch.no_grad():
             self.params.copy_(torch.from_numpy(weights.copy()))
         self.rng.bit_generator.state = dict(meta["rng"])

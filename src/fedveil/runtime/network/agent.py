@@ -23,8 +23,8 @@ import contextlib
 import logging
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +105,9 @@ class AgentHost:
         self._tte_rng = np.random.default_rng(seed)
         self._devices = {name: _DeviceState(name, cred) for name, cred in devices.items()}
         self._queue: asyncio.Queue[_Work] = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedveil-agent", initializer=worker_init)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="fedveil-agent", initializer=worker_init
+        )
         self.handled = 0
         self.batch_window = 0.002
         """Seconds the worker waits after a request for others to join its batch."""
