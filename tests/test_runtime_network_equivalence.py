@@ -1,11 +1,12 @@
 """The same protocol code over the network gives the same model as in simulation (loopback, mutual TLS).
 
 With no faults the network runtime delivers every request and returns the replies in the order the
-devices were addressed, as the simulation does when every reply has the same latency (a sampled
-latency reorders the simulation's replies, and step 5 stacks embeddings in reply order), and the
-devices run the same client pools with the same seeds, so FDML (through the emulated TEE) and FedUV end bit-identical when the client work is
-one device at a time. With batched client work the agent batches whatever requests wait together, a
-different grouping than the simulation's, and float32 sums in another order: equal to 1e-5 there.
+devices were addressed, as the simulation does when every reply has the same latency (a sampled latency
+reorders the simulation's replies, and step 5 stacks embeddings in reply order), and the devices run the
+same client pools with the same seeds, so FDML (through the emulated TEE) and FedUV end bit-identical
+when the client work is one device at a time. With batched client work the agent batches whatever
+requests wait together, a different grouping than the simulation's, and float32 sums in another order:
+equal to 1e-5 there.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Crash-safe run state: atomic checkpoints and the durable privacy-spend log (nothing lost on a crash).
 
 ``checkpoint.npz`` holds the server's arrays (weights, optimizer moments), ``round`` (an int64 scalar)
-and one ``meta`` entry, UTF-8 JSON as a ``uint8`` array (random generator states, optimizer scalars).
-It is written to a temporary file in the same directory, flushed, fsynced and renamed over the old one, and the directory
-is fsynced: a crash leaves either the old or the new checkpoint, never half of one. It is read with
-``allow_pickle=False``.
+and one ``meta`` entry, UTF-8 JSON as a ``uint8`` array (random generator states, optimizer scalars). It
+is written to a temporary file in the same directory, flushed, fsynced and renamed over the old one, and
+the directory is fsynced: a crash leaves either the old or the new checkpoint, never half of one. It is
+read with ``allow_pickle=False``.
 
 ``privacy_spent.jsonl`` has one line per round whose derivatives the enclave released, appended and
 fsynced **before** the release (FDML's ``before_release`` hook). A resumed run counts every line, also
