@@ -121,8 +121,13 @@ class SpendLog:
     def record(self, rnd: int, extra: Mapping[str, Any] | None = None) -> None:
         """Append round ``rnd`` and fsync before returning."""
         line = json.dumps({"round": int(rnd), **(extra or {})}, sort_keys=True) + "\n"
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line)
+        with open(self.path, "a+b") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell():
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":  # a torn line from a crash: end it before appending
+                    line = "\n" + line
+            fh.write(line.encode("utf-8"))
             fh.flush()
             os.fsync(fh.fileno())
 

@@ -358,7 +358,7 @@ def run_experiment(
     metrics: dict[str, Any] = {}
     roc = None
     stopped: str | None = None
-    timings: list[dict[str, Any]] = []
+    last_timing: dict[str, Any] = {}
 
     def save(rnd: int) -> None:
         arrays, meta = trainer.server.state_dict()
@@ -368,7 +368,7 @@ def run_experiment(
             extra["runtime_rng"] = trainer.runtime.rng.bit_generator.state
         save_checkpoint(out, Checkpoint(rnd, arrays, extra))
 
-    async def train(fh: Any) -> None:
+    async def train(fh: Any, dh: Any) -> None:
         nonlocal metrics, roc, stopped
         if network is not None:
             await network.start(trainer.runtime, cfg, population, out)
@@ -422,8 +422,9 @@ def run_experiment(
             stats = trainer.runtime.stats()
             if stats.timings:
                 line.update(summarise_timings(stats.timings))
-                timings.append({"round": rnd, "devices": [asdict(t) for t in stats.timings]})
+                last_timing.update(round=rnd, devices=[asdict(t) for t in stats.timings])
                 stats.timings.clear()
+                _json_line(dh, last_timing)
             save(rnd)
             _json_line(fh, line)
             last = rnd
@@ -446,16 +447,20 @@ def run_experiment(
             metrics, roc = await asyncio.to_thread(evaluate, trainer, population, cfg.eval.seed)
             _json_line(fh, {"eval": {"round": last, **metrics}})
 
-    async def main(fh: Any) -> None:
+    async def main(fh: Any, dh: Any) -> None:
         try:
-            await train(fh)
+            await train(fh, dh)
         finally:
             if network is not None:
                 await network.stop(trainer.runtime)
 
     try:
-        with open(out / "metrics.jsonl", "a", encoding="utf-8") as fh:
-            asyncio.run(main(fh))
+        mode = "a" if resume else "w"
+        with (
+            open(out / "metrics.jsonl", mode, encoding="utf-8") as fh,
+            open(out / "devices.jsonl", mode, encoding="utf-8") as dh,
+        ):
+            asyncio.run(main(fh, dh))
     finally:
         trainer.close()
     real = time.perf_counter() - started
@@ -485,14 +490,11 @@ def run_experiment(
     if stopped:
         results["stopped"] = stopped
     (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    if timings:
-        with open(out / "devices.jsonl", "a", encoding="utf-8") as dh:
-            for t in timings:
-                dh.write(json.dumps(t, sort_keys=True) + "\n")
+    if last_timing:
         plot_round_timing(
-            timings[-1]["devices"],
+            last_timing["devices"],
             out / "round_timing.png",
-            title=f"{cfg.name}: round {timings[-1]['round']}",
+            title=f"{cfg.name}: round {last_timing['round']}",
         )
     if losses:
         plot_series({"loss": losses}, out / "loss.png", title=f"{cfg.name}: training loss", ylabel="loss")

@@ -1,0 +1,142 @@
+"""Nothing lost on a crash: a run killed after any round resumes from its checkpoint to the same model,
+and a DP spend is on disk before the release it pays for (never lost, never paid twice)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedveil.errors import ConfigError
+from fedveil.experiments.checkpoint import Checkpoint, SpendLog, load_checkpoint, save_checkpoint
+from fedveil.experiments.config import load_config
+from fedveil.experiments.runner import run_experiment
+from fedveil.protocols import fdml as fdml_module
+from fedveil.protocols.fdml import FDMLServer
+from fedveil.protocols.fedavg import FedAvgServer
+
+SMALL = [
+    "data.train_users_per_model=[6, 6]",
+    "data.test_users_per_model=[11, 11]",
+    "fdml.num_required=4",
+    "fdml.samples_per_client=4",
+    "fedavg.clients_per_round=4",
+    "fedavg.samples_per_client=4",
+    "enclave.boundary=inprocess",
+    "rounds=5",
+    "name=r",
+]
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def _rounds(out: Path) -> list[dict[str, Any]]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "round" in x and "eval" not in x]
+
+
+def _weights(out: Path) -> np.ndarray:
+    ckpt = load_checkpoint(out)
+    assert ckpt is not None
+    return ckpt.arrays["weights"]
+
+
+@pytest.mark.parametrize(("protocol", "server_cls"), [("fdml", FDMLServer), ("fedavg", FedAvgServer)])
+def test_a_crashed_simulation_resumes_to_the_same_model(
+    tmp_path: Path, toy_population: Any, monkeypatch: pytest.MonkeyPatch, protocol: str, server_cls: type
+) -> None:
+    cfg = load_config(None, [f"protocol={protocol}", *SMALL])
+    whole = tmp_path / "whole"
+    run_experiment(cfg, whole, progress=False, population=toy_population)
+
+    crashed = tmp_path / "crashed"
+    original = server_cls.run_round
+
+    async def crash_in_round_4(self: Any, rnd: int, comm: Any) -> Any:
+        if rnd == 4:
+            raise Crash("power cut")
+        return await original(self, rnd, comm)
+
+    monkeypatch.setattr(server_cls, "run_round", crash_in_round_4)
+    with pytest.raises(Crash):
+        run_experiment(cfg, crashed, progress=False, population=toy_population)
+    assert load_checkpoint(crashed).round == 3
+    monkeypatch.setattr(server_cls, "run_round", original)
+    results = run_experiment(cfg, crashed, progress=False, population=toy_population, resume=True)
+    assert [r["round"] for r in _rounds(crashed)] == [1, 2, 3, 4, 5]
+    assert results["rounds"] == 5 and results["resumed_after_round"] == 3
+    np.testing.assert_array_equal(_weights(crashed), _weights(whole))
+
+
+def test_a_dp_spend_is_durable_before_the_release_and_never_repeated(
+    tmp_path: Path, toy_population: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = load_config(
+        None, ["dp.enabled=true", "dp.mode=strict", "dp.round_epsilon=8", "dp.bound_T=1e-3", *SMALL]
+    )
+    seen: list[tuple[int, list[int]]] = []
+    release = fdml_module.AttestedEnclave.step_five
+
+    def spy(self: Any, rnd: int, attempt: int, replies: Any) -> Any:
+        seen.append((rnd, SpendLog(tmp_path).rounds()))
+        if rnd == 3 and len(seen) == 3:
+            out = release(self, rnd, attempt, replies)
+            raise Crash("killed right after the enclave released round 3")
+        return release(self, rnd, attempt, replies)
+
+    monkeypatch.setattr(fdml_module.AttestedEnclave, "step_five", spy)
+    with pytest.raises(Crash):
+        run_experiment(cfg, tmp_path, progress=False, population=toy_population)
+    # every release found its own round already on disk
+    assert all(rnd in paid for rnd, paid in seen)
+    assert SpendLog(tmp_path).rounds() == [1, 2, 3] and load_checkpoint(tmp_path).round == 2
+    results = run_experiment(cfg, tmp_path, progress=False, population=toy_population, resume=True)
+    rounds = _rounds(tmp_path)
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5]
+    assert rounds[2].get("interrupted") is True and rounds[2]["applied"] is False
+    assert SpendLog(tmp_path).rounds() == [1, 2, 3, 4, 5], "round 3 was paid once and not run again"
+    assert results["privacy"]["round"] == 5 == results["privacy"]["rounds_paid"]
+    assert [r["privacy_round"] for r in rounds if "privacy_round" in r] == [1, 2, 4, 5]
+
+
+def test_resume_refuses_another_config(tmp_path: Path, toy_population: Any) -> None:
+    run_experiment(load_config(None, [*SMALL, "rounds=1"]), tmp_path, progress=False, population=toy_population)
+    with pytest.raises(ConfigError, match="another config"):
+        run_experiment(
+            load_config(None, [*SMALL, "rounds=2", "seed=9"]),
+            tmp_path,
+            progress=False,
+            population=toy_population,
+            resume=True,
+        )
+
+
+def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:
+    arrays = {"weights": np.arange(5, dtype=np.float32)}
+    save_checkpoint(tmp_path, Checkpoint(7, arrays, {"rng": {"state": 2**80}}))
+    got = load_checkpoint(tmp_path)
+    assert got.round == 7 and got.meta == {"rng": {"state": 2**80}}
+    np.testing.assert_array_equal(got.arrays["weights"], arrays["weights"])
+    assert not list(tmp_path.glob(".*.tmp")), "no temporary file is left behind"
+    with pytest.raises(ConfigError, match="may not be named"):
+        save_checkpoint(tmp_path, Checkpoint(1, {"meta": np.zeros(1)}, {}))
+    (tmp_path / "checkpoint.npz").write_bytes(b"not a zip")
+    with pytest.raises(ConfigError, match="not a fedveil checkpoint"):
+        load_checkpoint(tmp_path)
+    assert load_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_a_torn_spend_line_is_ignored(tmp_path: Path) -> None:
+    log = SpendLog(tmp_path)
+    log.record(1)
+    log.record(2)
+    with open(log.path, "a") as fh:
+        fh.write('{"rou')
+    assert log.rounds() == [1, 2]
+    log.record(3)
+    assert log.rounds() == [1, 2, 3]
