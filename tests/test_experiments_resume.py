@@ -85,7 +85,7 @@ def test_a_dp_spend_is_durable_before_the_release_and_never_repeated(
     def spy(self: Any, rnd: int, attempt: int, replies: Any) -> Any:
         seen.append((rnd, SpendLog(tmp_path).rounds()))
         if rnd == 3 and len(seen) == 3:
-            out = release(self, rnd, attempt, replies)
+            release(self, rnd, attempt, replies)
             raise Crash("killed right after the enclave released round 3")
         return release(self, rnd, attempt, replies)
 
