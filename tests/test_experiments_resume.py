@@ -105,7 +105,9 @@ def test_a_dp_spend_is_durable_before_the_release_and_never_repeated(
 
 
 def test_resume_refuses_another_config(tmp_path: Path, toy_population: Any) -> None:
-    run_experiment(load_config(None, [*SMALL, "rounds=1"]), tmp_path, progress=False, population=toy_population)
+    run_experiment(
+        load_config(None, [*SMALL, "rounds=1"]), tmp_path, progress=False, population=toy_population
+    )
     with pytest.raises(ConfigError, match="another config"):
         run_experiment(
             load_config(None, [*SMALL, "rounds=2", "seed=9"]),
