@@ -99,7 +99,8 @@ def test_killed_agent_is_a_dropout_and_a_killed_server_resumes(tmp_path: Path) -
     procs: list[subprocess.Popen] = []
 
     def start(cmd: list[str], log: str) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, stdout=open(tmp_path / log, "wb"), stderr=subprocess.STDOUT, env=env)
+        with open(tmp_path / log, "wb") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
         procs.append(proc)
         return proc
 
