@@ -20,12 +20,14 @@ from fedveil.experiments.triplet_reference import REFERENCE_MEMORY_BYTES
 def register(subparsers: Any) -> None:
     """Add the ``bench`` command; each benchmark is a sub-command of it."""
     parser = subparsers.add_parser(
-        "bench", help="measure speed and memory: enclave Alg. 1 (FDML Table V), FDML rounds, the codec"
+        "bench",
+        help="measure speed and memory: enclave Alg. 1 (FDML Table V), FDML rounds, the codec, the network",
     )
     benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     _add_enclave(benches)
     _add_rounds(benches)
     _add_codec(benches)
+    _add_network(benches)
     parser.set_defaults(func=run)
 
 
@@ -235,5 +237,48 @@ def _run_codec(args: argparse.Namespace) -> int:
             f"codec round trip of {row['wire_bytes']} bytes: {1e6 * row['round_trip_seconds']:.0f} us "
             f"({row['round_trip_gb_per_s']:.1f} GB/s; encode {1e6 * row['encode_seconds']:.0f} us, "
             f"decode {1e6 * row['decode_seconds']:.0f} us)"
+        )
+    return 0
+
+
+def _add_network(sub: Any) -> None:
+    p = sub.add_parser(
+        "network",
+        help="many device agents on loopback over mutual TLS: FedAvg rounds of a ~1 MB model",
+        description="Start a gRPC server and --agents device agents (one TLS connection and certificate "
+        "each) in at most --processes processes; run --rounds FedAvg rounds with every agent selected; "
+        "report lost updates, TTD/TTE/TTR/TTP percentiles, server overhead and peak RSS, and the same "
+        "rounds in the in-process simulation.",
+    )
+    p.add_argument("--agents", type=int, default=1000, help="device agents (default 1000)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--processes", type=int, default=8, help="agent processes (default 8)")
+    p.add_argument("--model-mib", type=float, default=1.0, help="model size in MiB (default 1)")
+    p.add_argument("--tte-mean", type=float, default=0.0, help="simulated mean on-device seconds (default 0)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(bench_func=_run_network)
+
+
+def _run_network(args: argparse.Namespace) -> int:
+    from fedveil.experiments.bench_network import bench_network
+
+    row = bench_network(
+        agents=args.agents,
+        rounds=args.rounds,
+        processes=args.processes,
+        model_bytes=int(args.model_mib * 2**20),
+        tte_mean=args.tte_mean,
+    )
+    if args.json:
+        print(json.dumps(row, indent=2))
+    else:
+        print(
+            f"{row['agents']} agents in {row['processes']} processes, {row['rounds']} rounds of a "
+            f"{row['model_bytes'] / 2**20:.1f} MiB model: {row['lost_updates']} lost updates, round "
+            f"{row['round_seconds_median']:.2f} s "
+            f"(server overhead {row['server_overhead_seconds_median']:.2f} s; "
+            f"simulation {row['simulation_round_seconds_median']:.2f} s), TTD p50 {row['ttd']['p50']:.3f} s, "
+            f"TTR p50 {row['ttr']['p50']:.3f} s, TTP p50 {1e3 * row['ttp']['p50']:.2f} ms, "
+            f"server peak RSS {row['server_peak_rss_bytes'] / 2**20:.0f} MiB"
         )
     return 0
