@@ -374,3 +374,37 @@ def test_enrolment_token_buys_one_certificate(pki: Path, caplog: pytest.LogCaptu
 
     _run(go())
     assert secret not in caplog.text
+
+
+def test_an_agent_that_connects_and_never_speaks_does_not_hold_a_round(pki: Path) -> None:
+    creds = _creds(pki, ["mute", "ok"])
+
+    async def go() -> None:
+        runtime, address = await _serve(pki)
+        cred = creds["mute"]
+        channel = grpc.aio.secure_channel(
+            address, grpc.ssl_channel_credentials(cred.ca_pem, cred.key_pem, cred.cert_pem)
+        )
+        call = channel.stream_stream(wire.CONNECT_METHOD)()
+        await call.write(codec.encode(wire.AgentHello("mute", wire.PROTOCOL_VERSION)))
+        assert isinstance(codec.decode(await call.read()), wire.Welcome)  # welcomed, then silent
+        agents = asyncio.create_task(_host(address, {"ok": creds["ok"]}, EchoPool(["ok"])).run())
+        assert await runtime.wait_for_devices(2, 10) == ["mute", "ok"]
+        t0 = time.monotonic()
+        replies = await runtime.request(
+            {d: Ping(1, np.ones(1, np.float32)) for d in ("mute", "ok")},
+            phase="p",
+            min_replies=2,
+            timeout=0.7,
+            expected=Pong,
+        )
+        assert time.monotonic() - t0 < 1.5
+        assert list(replies) == ["ok"]
+        assert runtime.stats().dropouts[-1].client == "mute"
+        assert runtime.stats().dropouts[-1].reason == "late: no reply within the timeout"
+        call.cancel()
+        await channel.close()
+        await runtime.close()
+        await agents
+
+    _run(go())
