@@ -9,7 +9,8 @@ device returns its update (the weights plus a small seeded step) and the server 
 do no training, and ``tte_mean`` (default 0) adds a replayed on-device time. The same rounds run in the
 in-process simulation for comparison. Reported: agents, rounds, lost updates, per-phase latency
 percentiles (TTD, TTE, TTR, TTP), the per-round wall time and server-side overhead
-(wall time minus the slowest device's TTE), server peak RSS, and the simulation's per-round time.
+(wall time minus the slowest device's TTE), server peak RSS (taken before the simulation part runs), and
+the simulation's per-round time.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def bench_network(
                     )
                 net = await _rounds(runtime, ids, weights, rounds, timeout)
                 timings = list(runtime.stats().timings)
-                return {"net": net, "timings": timings, "connect_seconds": connect_seconds}
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                return {"net": net, "timings": timings, "connect_seconds": connect_seconds, "rss": rss}
             finally:
                 await runtime.close()
                 for p in procs:
@@ -204,7 +206,7 @@ def bench_network(
         "overhead_vs_simulation": float(np.median(walls) / np.median(sim["walls"])),
         "connect_seconds": result["connect_seconds"],
         "certificate_seconds": cert_seconds,
-        "server_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "server_peak_rss_bytes": result["rss"],
         "cpus": os.cpu_count(),
     }
 

@@ -130,7 +130,7 @@ class NetworkRuntime:
         self.timings_enabled = True
         self._stats = CommStats()
         self._conns: dict[str, _Connection] = {}
-        self._waiting: dict[int, _Waiting] = {}
+        self._waiting: dict[tuple[str, int], _Waiting] = {}
         self._ids = itertools.count(1)
         self._server: grpc.aio.Server | None = None
         self._joined: asyncio.Condition | None = None
@@ -263,26 +263,26 @@ class NetworkRuntime:
             raise ConfigError(f"min_replies {min_replies} must be >= 0")
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        payloads: dict[int, bytes] = {}
-        pending: dict[asyncio.Future[Any], int] = {}
+        frames: dict[int, tuple[int, bytes, int, float]] = {}
+        pending: dict[asyncio.Future[Any], tuple[str, int]] = {}
         for cid, msg in msgs.items():
             conn = self._conns.get(cid)
             if conn is None or conn.closed.is_set():
                 self._drop(cid, phase, "disconnected: not connected when the request was sent")
                 continue
-            if id(msg) not in payloads:
-                payloads[id(msg)] = codec.encode(msg)
-            payload = payloads[id(msg)]
-            rid = next(self._ids)
-            sent_at = time.time()
+            if id(msg) not in frames:
+                # one envelope per distinct message: a broadcast is encoded once for every device
+                payload = codec.encode(msg)
+                rid, sent_at = next(self._ids), time.time()
+                frame = codec.encode(wire.ServerRequest(rid, phase, float(timeout), sent_at, payload))
+                frames[id(msg)] = (rid, frame, len(payload), sent_at)
+            rid, frame, size, sent_at = frames[id(msg)]
             fut: asyncio.Future[tuple[wire.AgentReply, float]] = loop.create_future()
-            self._waiting[rid] = _Waiting(cid, phase, sent_at, len(payload), fut)
-            conn.outbox.put_nowait(
-                codec.encode(wire.ServerRequest(rid, phase, float(timeout), sent_at, payload))
-            )
-            self._stats.bytes_down += len(payload)
+            self._waiting[(cid, rid)] = _Waiting(cid, phase, sent_at, size, fut)
+            conn.outbox.put_nowait(frame)
+            self._stats.bytes_down += size
             self._stats.messages_down += 1
-            pending[fut] = rid
+            pending[fut] = (cid, rid)
         replies: dict[ClientId, Message] = {}
         deadline = loop.time() + timeout
         timed_out = False
@@ -297,14 +297,14 @@ class NetworkRuntime:
                     timed_out = True
                     break
                 for fut in done:
-                    rid = pending.pop(fut)
-                    waiting = self._waiting.pop(rid)
-                    msg = self._accept(rid, waiting, fut, expected, validate)
+                    key = pending.pop(fut)
+                    waiting = self._waiting.pop(key)
+                    msg = self._accept(waiting, fut, expected, validate)
                     if msg is not None:
                         replies[waiting.device] = msg
         finally:
-            for fut, rid in pending.items():
-                waiting = self._waiting.pop(rid)
+            for fut, key in pending.items():
+                waiting = self._waiting.pop(key)
                 fut.cancel()
                 why = (
                     "late: no reply within the timeout"
@@ -317,7 +317,6 @@ class NetworkRuntime:
 
     def _accept(
         self,
-        rid: int,
         waiting: _Waiting,
         fut: asyncio.Future[tuple[wire.AgentReply, float]],
         expected: type | tuple[type, ...],
@@ -483,18 +482,15 @@ class NetworkRuntime:
 
     def _route(self, conn: _Connection, reply: wire.AgentReply, arrived: float) -> None:
         """Hand a reply to the request it answers, if that request is still waiting for this device."""
-        waiting = self._waiting.get(reply.request_id)
+        waiting = self._waiting.get((conn.device, reply.request_id))
         if waiting is None:
-            self._refuse(
-                conn.device,
-                f"reply to request {reply.request_id}, which is not awaited (late, replayed or unknown)",
+            others = sorted(d for d, r in self._waiting if r == reply.request_id)
+            why = (
+                f"which was not sent to this device (it awaits {others[:3]})"
+                if others
+                else "which is not awaited (late, replayed or unknown)"
             )
-            return
-        if waiting.device != conn.device:
-            self._refuse(
-                conn.device,
-                f"reply to request {reply.request_id}, which was sent to device {waiting.device!r}",
-            )
+            self._refuse(conn.device, f"reply to request {reply.request_id}, {why}")
             return
         if not waiting.future.done():
             waiting.future.set_result((reply, arrived))

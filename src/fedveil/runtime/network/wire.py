@@ -62,7 +62,9 @@ class Goodbye:
 @dataclass(frozen=True)
 class ServerRequest:
     """One protocol message for the device: ``payload`` is its codec bytes; ``deadline_seconds`` the
-    time the server waits; ``sent_at`` the server's wall clock (``time.time()``) when it was queued."""
+    time the server waits; ``sent_at`` the server's wall clock (``time.time()``) when it was queued.
+    A message sent to many devices (a broadcast) is one envelope with one ``request_id``: the server
+    matches a reply by the stream it came on *and* the id, so a device can answer only what it was sent."""
 
     request_id: int
     phase: str
