@@ -45,6 +45,31 @@ def register(subparsers: Any) -> None:
     r.add_argument("--workers", type=int, default=None, help="processes training methods side by side")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--runtime",
+        choices=("simulation", "network"),
+        default="simulation",
+        help="network: users as device agents over gRPC + mutual TLS on loopback (methods run in turn)",
+    )
+    r.add_argument(
+        "--agents", type=int, default=4, help="with --runtime network: agent processes (default 4)"
+    )
+    a = actions.add_parser("agent", help="run users of a FedUV run as a device agent (docs/deployment.md)")
+    a.add_argument("--server", required=True, help="the server's HOST:PORT")
+    a.add_argument("--config", type=Path, required=True, help="the run's config (its config.json)")
+    a.add_argument("--method", choices=("feduv", "fedaws", "softmax"), required=True)
+    a.add_argument("--code-length", type=int, default=None, help="FedUV's code length c")
+    who = a.add_mutually_exclusive_group()
+    who.add_argument("--device", action="append", default=[], help="a user id to run (repeatable)")
+    who.add_argument("--shard", default=None, help="I/N: every N-th user from I")
+    a.add_argument(
+        "--credentials", type=Path, default=None, help="DIR/<device>/{device.crt,device.key,ca.crt}"
+    )
+    a.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (not for real use)")
+    a.add_argument(
+        "--give-up-after", type=float, default=None, help="exit after this many seconds without a server"
+    )
+    a.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     b = actions.add_parser("bench", help="FedAvg client updates per second on the MNIST-UV net")
     b.add_argument("--clients", type=int, default=4, help="users updated together (default: 4)")
     b.add_argument("--width-divisor", type=int, default=1, help="1 = Table 2's net (default)")
@@ -73,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     """Dispatch to the action; the work is in :mod:`fedveil.experiments.feduv_runner`."""
     from fedveil.experiments import feduv_runner as fr
 
+    if args.action == "agent":
+        return _agent(args)
     if args.action == "bench":
         doc = fr.bench_client_updates(
             clients=args.clients,
@@ -111,11 +138,20 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
     )
     out = args.out or Path("runs") / cfg.name
+    network = None
+    if args.runtime == "network":
+        from fedveil.errors import ConfigError
+        from fedveil.experiments.network_run import NetworkPlan
+
+        if args.agents < 1:
+            raise ConfigError(f"--agents {args.agents}: start at least one local agent process")
+        network = NetworkPlan(agents=args.agents)
     results = fr.run_feduv(
         cfg,
         out,
         progress=None if args.json else lambda line: print(line, file=sys.stderr),
         show_bar=not args.json and not args.no_progress,
+        network=network,
     )
     if args.json:
         print(json.dumps(results, indent=2, sort_keys=True))
@@ -123,3 +159,32 @@ def run(args: argparse.Namespace) -> int:
         print(_table(results))
         print(f"run directory: {out}")
     return 0
+
+
+def _agent(args: argparse.Namespace) -> int:
+    """Serve users of one method of a FedUV run until the server says training is over."""
+    import asyncio
+
+    import torch
+
+    from fedveil.data.mnist_uv import generate_mnist_uv
+    from fedveil.experiments.feduv_runner import feduv_clients, load_feduv_config
+    from fedveil.experiments.network_run import agent_host, parse_shard
+
+    torch.set_num_threads(max(1, args.threads))
+    cfg = load_feduv_config(args.config)
+    pool = feduv_clients(cfg, args.method, args.code_length, generate_mnist_uv(cfg.data_config()))
+    host = agent_host(
+        args.server,
+        pool,
+        devices=args.device or None,
+        shard=parse_shard(args.shard) if args.shard else None,
+        credentials=args.credentials,
+        insecure=args.insecure,
+        give_up_after=args.give_up_after,
+    )
+    endings = asyncio.run(host.run())
+    failed = {d: e for d, e in endings.items() if e != "finished"}
+    for d, e in failed.items():
+        print(f"fedveil feduv agent: user {d}: {e}", file=sys.stderr)
+    return 1 if failed else 0

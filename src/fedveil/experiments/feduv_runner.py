@@ -257,30 +257,55 @@ def _config_dict(cfg: FeduvRunConfig) -> dict[str, Any]:
     return out
 
 
-def _build(
-    cfg: FeduvRunConfig, method: str, code_length: int | None, data: Any, code_cache_dir: str | None
-) -> tuple[UvServer, SimulationRuntime]:
-    """Server, users and runtime of one method, seeded from ``cfg.seed``."""
+def _model(cfg: FeduvRunConfig, method: str, code_length: int | None) -> UvModel:
+    """The Table 2 net of ``method`` initialised from ``cfg.seed`` (the same on server and devices)."""
     torch.manual_seed(cfg.seed)
-    users = cfg.writers
-    outputs = code_length if code_length is not None else users
+    outputs = code_length if code_length is not None else cfg.writers
     net = mnist_uv_net(
         outputs, bias=method != "fedaws", width_divisor=cfg.width_divisor, narrow_head=cfg.narrow_head
     )
-    model = UvModel(net)
+    return UvModel(net)
+
+
+def _uv_method(method: str) -> Any:
+    return {"feduv": FedUVMethod, "softmax": SoftmaxMethod, "fedaws": FedAwSMethod}[method]()
+
+
+def feduv_clients(
+    cfg: FeduvRunConfig,
+    method: str,
+    code_length: int | None,
+    data: Any,
+    code_cache_dir: str | None = None,
+    model: UvModel | None = None,
+) -> UvClients:
+    """The users of one method: the client pool the simulation runs in-process and a device agent
+    hosts (``fedveil feduv agent``)."""
+    return UvClients(
+        _uv_method(method),
+        model or _model(cfg, method, code_length),
+        data,
+        seed=cfg.seed,
+        batched=cfg.batched,
+        code_cache_dir=code_cache_dir,
+    )
+
+
+def _build(
+    cfg: FeduvRunConfig, method: str, code_length: int | None, data: Any, code_cache_dir: str | None
+) -> tuple[UvServer, UvClients]:
+    """Server and users of one method, seeded from ``cfg.seed``."""
+    model = _model(cfg, method, code_length)
     server_rng = np.random.default_rng([cfg.seed, 1])
     server: UvServer
     if method == "feduv":
         assert code_length is not None
-        uv_method: Any = FedUVMethod()
         server = FedUVServer(
             cfg.train, model, server_rng, code_length=code_length, code_cache_dir=code_cache_dir
         )
     elif method == "softmax":
-        uv_method = SoftmaxMethod()
         server = SoftmaxServer(cfg.train, model, server_rng)
     else:
-        uv_method = FedAwSMethod()
         server = FedAwSServer(
             cfg.train,
             model,
@@ -288,11 +313,7 @@ def _build(
             spreadout_steps=cfg.spreadout_steps,
             spreadout_margin=cfg.spreadout_margin,
         )
-    pool = UvClients(
-        uv_method, model, data, seed=cfg.seed, batched=cfg.batched, code_cache_dir=code_cache_dir
-    )
-    runtime = SimulationRuntime(pool, rng=np.random.default_rng([cfg.seed, 2]))
-    return server, runtime
+    return server, feduv_clients(cfg, method, code_length, data, code_cache_dir, model)
 
 
 def _json_line(fh: Any, obj: dict[str, Any]) -> None:
@@ -330,13 +351,15 @@ def run_feduv(
     progress: Callable[[str], None] | None = None,
     show_bar: bool = False,
     code_cache_dir: str | None = None,
+    network: Any = None,
 ) -> dict[str, Any]:
     """Train, deploy and evaluate every run of ``cfg``; write the run directory; return ``results.json``.
 
     ``progress`` receives one line per finished phase (e.g. ``print``); ``show_bar`` draws a progress bar
     over all rounds of all runs on stderr. With ``cfg.workers > 1`` the methods train in that many worker
     processes; each run depends only on ``cfg`` (its own seeds, the same generated data), so the numbers
-    equal those of one process.
+    equal those of one process. ``network`` (a :class:`fedveil.experiments.network_run.NetworkPlan`) trains
+    each method in turn with its users as device agents over gRPC + mutual TLS.
 
     Nothing finished is lost: each method's outcome is written to ``methods/<label>.json`` and
     ``methods/<label>.roc.npz`` as soon as it ends, and a later call on the same ``out_dir`` with the same
@@ -380,9 +403,21 @@ def run_feduv(
             say(f"{outcome.label}: {aucs} ({outcome.row['real_seconds']:.0f} s)")
 
     with bar:
-        if cfg.workers == 1 or len(todo) <= 1:
+        if cfg.workers == 1 or len(todo) <= 1 or network is not None:
             for label, method, code_length in todo:
-                finished(_train_one(cfg, label, method, code_length, data, code_cache_dir, bar.update))
+                finished(
+                    _train_one(
+                        cfg,
+                        label,
+                        method,
+                        code_length,
+                        data,
+                        code_cache_dir,
+                        bar.update,
+                        network=network,
+                        out=out,
+                    )
+                )
         else:
             _train_in_pool(cfg, todo, code_cache_dir, bar.update, finished)
     curves: dict[str, dict[str, Roc]] = {kind: {} for kind in UV_EVALUATIONS}
@@ -546,14 +581,36 @@ def _train_one(
     advance: Callable[[int], object] | None = None,
     *,
     tick_every: int = 1,
+    network: Any = None,
+    out: Path | None = None,
 ) -> _Outcome:
-    """Train, deploy and evaluate one method; ``advance(n)`` after every ``tick_every`` rounds."""
-    server, runtime = _build(cfg, method, code_length, data, code_cache_dir)
+    """Train, deploy and evaluate one method; ``advance(n)`` after every ``tick_every`` rounds.
+    ``network`` (a :class:`fedveil.experiments.network_run.NetworkPlan`) runs the users as device agents
+    over gRPC + mutual TLS instead of in this process."""
+    server, pool = _build(cfg, method, code_length, data, code_cache_dir)
+    runtime: Any
+    if network is None:
+        runtime = SimulationRuntime(pool, rng=np.random.default_rng([cfg.seed, 2]))
+    else:
+        assert out is not None
+        runtime, _ = network.make_runtime(out, max_message_bytes=64 * 2**20, attested=False)
     step = advance or (lambda _n: None)
     lines: list[dict[str, Any]] = []
     t0 = time.perf_counter()
 
     async def go() -> dict[str, UvEvaluation]:
+        if network is None:
+            return await train()
+        command = ["feduv", "agent", "--config", str(Path(out) / "config.json"), "--method", method]
+        if code_length is not None:
+            command += ["--code-length", str(code_length)]
+        await network.start(runtime, pool.client_ids(), Path(out), command)
+        try:
+            return await train()
+        finally:
+            await network.stop(runtime)
+
+    async def train() -> dict[str, UvEvaluation]:
         await server.setup(runtime)
         for rnd in range(1, cfg.rounds + 1):
             report = await server.run_round(rnd, runtime)

@@ -56,11 +56,6 @@ def platform_for(pki: str | Path) -> SimulatedPlatform:
     return platform
 
 
-def uses_enclave(cfg: ExperimentConfig) -> bool:
-    """Whether the run attests an enclave (FDML through the emulated TEE)."""
-    return cfg.protocol == "fdml" and cfg.enclave.boundary != "none"
-
-
 @dataclass
 class NetworkPlan:
     """How a run reaches its devices: the server's ``listen`` address, its ``pki`` (``None`` with
@@ -82,9 +77,9 @@ class NetworkPlan:
     _pki: Path | None = None
 
     def make_runtime(
-        self, cfg: ExperimentConfig, out: Path
+        self, out: Path, *, max_message_bytes: int, attested: bool
     ) -> tuple[NetworkRuntime, SimulatedPlatform | None]:
-        """The server-side runtime (not yet listening) and, for an attested enclave, its platform."""
+        """The server-side runtime (not yet listening) and, for an ``attested`` enclave, its platform."""
         if self.agents < 0:
             raise ConfigError(f"agents {self.agents!r} must be >= 0")
         pki = self.pki
@@ -102,11 +97,11 @@ class NetworkPlan:
             pki=pki,
             insecure=self.insecure,
             enrol_listen=self.enrol_listen,
-            max_message_bytes=cfg.runtime.max_message_bytes,
+            max_message_bytes=max_message_bytes,
             heartbeat_seconds=self.heartbeat_seconds,
         )
         platform = None
-        if uses_enclave(cfg):
+        if attested:
             if pki is None:
                 raise ConfigError(
                     "FDML through the emulated TEE pins a platform key kept in the PKI directory"
@@ -114,12 +109,14 @@ class NetworkPlan:
             platform = platform_for(pki)
         return runtime, platform
 
-    async def start(self, runtime: NetworkRuntime, cfg: ExperimentConfig, population: Any, out: Path) -> None:
-        """Listen, start the local agents, and wait until enough devices are connected."""
+    async def start(
+        self, runtime: NetworkRuntime, ids: list[str], out: Path, agent_command: list[str]
+    ) -> None:
+        """Listen, start the local agents (``fedveil <agent_command> --server ... --shard I/N ...``), and
+        wait until enough of the devices ``ids`` are connected."""
         port = await runtime.start()
-        ids = list(population.train_user_ids())
         if self.agents:
-            await self._spawn(port, ids, out)
+            await self._spawn(port, ids, out, agent_command)
         need = len(ids) if self.min_devices is None else self.min_devices
         log.info("waiting up to %.0f s for %d devices on port %d", self.wait_seconds, need, port)
         got = await runtime.wait_for_devices(need, self.wait_seconds)
@@ -129,7 +126,7 @@ class NetworkPlan:
                 "start more agents or lower --min-devices"
             )
 
-    async def _spawn(self, port: int, ids: list[str], out: Path) -> None:
+    async def _spawn(self, port: int, ids: list[str], out: Path, agent_command: list[str]) -> None:
         cred_dir = out / "devices"
         cred_dir.mkdir(exist_ok=True)
         if not self.insecure:
@@ -143,11 +140,9 @@ class NetworkPlan:
                 sys.executable,
                 "-m",
                 "fedveil",
-                "agent",
+                *agent_command,
                 "--server",
                 f"127.0.0.1:{port}",
-                "--config",
-                str(out / "config.yaml"),
                 "--shard",
                 f"{i}/{n}",
                 "--give-up-after",
@@ -215,19 +210,11 @@ def build_agent(
         build_population,
         device_sessions,
         enclave_config,
+        uses_enclave,
     )
 
     population = population if population is not None else build_population(cfg)
-    ids = list(population.train_user_ids())
-    if devices:
-        unknown = sorted(set(devices) - set(ids))
-        if unknown:
-            raise ConfigError(f"devices {unknown[:5]} are not users of this experiment's data")
-        mine = list(devices)
-    elif shard is not None:
-        mine = ids[shard[0] :: shard[1]]
-    else:
-        mine = ids
+    mine = choose_devices(list(population.train_user_ids()), devices, shard)
     sessions = None
     if uses_enclave(cfg):
         if platform_public_key is None:
@@ -238,20 +225,63 @@ def build_agent(
         measurement = measure_enclave(enclave_config(cfg, privacy.release if privacy else None, dp_seed=None))
         sessions = device_sessions(mine, platform_public_key, measurement.digest)
     pool = build_clients(cfg, population, sessions=sessions)
+    return agent_host(
+        server,
+        pool,
+        devices=mine,
+        credentials=credentials,
+        insecure=insecure,
+        give_up_after=give_up_after,
+        server_name=server_name,
+        max_message_bytes=cfg.runtime.max_message_bytes,
+    )
+
+
+def choose_devices(ids: list[str], devices: list[str] | None, shard: tuple[int, int] | None) -> list[str]:
+    """The devices an agent runs: ``devices`` (checked against ``ids``), shard ``I/N`` of ``ids``, or all."""
+    if devices:
+        unknown = sorted(set(devices) - set(ids))
+        if unknown:
+            raise ConfigError(f"devices {unknown[:5]} are not users of this experiment's data")
+        return list(devices)
+    if shard is not None:
+        return ids[shard[0] :: shard[1]]
+    return ids
+
+
+def agent_host(
+    server: str,
+    pool: Any,
+    *,
+    devices: list[str] | None = None,
+    shard: tuple[int, int] | None = None,
+    credentials: str | Path | None = None,
+    insecure: bool = False,
+    give_up_after: float | None = None,
+    server_name: str | None = None,
+    max_message_bytes: int = 64 * 2**20,
+) -> AgentHost:
+    """An :class:`AgentHost` for the chosen devices of ``pool`` with their credentials
+    (``credentials/<device>/device.crt`` ...); the pool's torch settings carry to its worker thread."""
+    import torch
+
+    mine = choose_devices(list(pool.client_ids()), devices, shard)
     creds: dict[str, certs.DeviceCredentials | None] = {}
     for name in mine:
         if insecure:
             creds[name] = None
+        elif credentials is None:
+            raise ConfigError("devices need their credentials (--credentials DIR), or --insecure")
         else:
-            if credentials is None:
-                raise ConfigError("devices need their credentials (--credentials DIR), or --insecure")
             creds[name] = certs.DeviceCredentials.read(Path(credentials) / name)
+    threads = torch.get_num_threads()
     return AgentHost(
         server,
         creds,
         pool,
         insecure=insecure,
-        max_message_bytes=cfg.runtime.max_message_bytes,
+        max_message_bytes=max_message_bytes,
         give_up_after=give_up_after,
         server_name=server_name,
+        worker_init=lambda: torch.set_num_threads(threads),
     )

@@ -194,6 +194,11 @@ def build_trainer(
     return Trainer(server, runtime, embed_flat, embedding_weights, host, pool)
 
 
+def uses_enclave(cfg: ExperimentConfig) -> bool:
+    """Whether the run attests an enclave (FDML through the emulated TEE)."""
+    return cfg.protocol == "fdml" and cfg.enclave.boundary != "none"
+
+
 def enclave_config(cfg: ExperimentConfig, dp: DPRelease | None, *, dp_seed: int | None) -> EnclaveConfig:
     """The measured configuration of an FDML run's enclave (Alg. 1/2 settings, memory bound): devices
     compute it from the same experiment config to know which measurement to expect."""
@@ -319,7 +324,11 @@ def run_experiment(
     if network is None and first_round > 1:
         # a resumed simulation draws fresh DP noise: replaying the stream of round 1 would correlate releases
         dp_seed = int(np.random.SeedSequence([cfg.seed, first_round]).generate_state(1)[0])
-    runtime, platform = network.make_runtime(cfg, out) if network is not None else (None, None)
+    runtime, platform = (
+        network.make_runtime(out, max_message_bytes=cfg.runtime.max_message_bytes, attested=uses_enclave(cfg))
+        if network is not None
+        else (None, None)
+    )
     trainer = build_trainer(
         cfg,
         population,
@@ -371,8 +380,10 @@ def run_experiment(
     async def train(fh: Any, dh: Any) -> None:
         nonlocal metrics, roc, stopped
         if network is not None:
-            await network.start(trainer.runtime, cfg, population, out)
+            ids = list(population.train_user_ids())
+            await network.start(trainer.runtime, ids, out, ["agent", "--config", str(out / "config.yaml")])
         await trainer.server.register(trainer.runtime)
+        trainer.runtime.stats().timings.clear()  # per-round device records start with round 1
         for rnd in lost:
             _json_line(
                 fh,

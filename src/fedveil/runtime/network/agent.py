@@ -139,6 +139,7 @@ class AgentHost:
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.http2.max_frame_size", 1 << 22),
             # one connection per device, never shared between the host's devices
             ("grpc.use_local_subchannel_pool", 1),
             ("fedveil.device", state.name),

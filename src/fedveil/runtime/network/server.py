@@ -146,6 +146,7 @@ class NetworkRuntime:
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.http2.max_frame_size", 1 << 22),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ]
         self._joined = asyncio.Condition()
