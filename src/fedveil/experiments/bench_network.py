@@ -2,15 +2,16 @@
 selected (issue: networked runtime, load and speed).
 
 The server is a :class:`~fedveil.runtime.network.server.NetworkRuntime` with mutual TLS (a throw-away
-PKI, one certificate per device); the devices are spread over at most ``processes`` agent processes,
-each device on its own TLS connection. A round broadcasts the global weights (``BenchWeights``), each
-device returns its update (the weights plus a small seeded step) and the server averages them with
+PKI, one certificate per device); the devices are spread over at most ``processes`` agent processes, each
+device on its own TLS connection. A round broadcasts the global weights (``BenchWeights``), each device
+returns its update (the weights plus a small seeded step) and the server averages them with
 :func:`fedveil.core.aggregation.weighted_average`. TTE is *simulated*, as PoliFL Sec. 5.4 does: devices
 do no training, and ``tte_mean`` (default 0) adds a replayed on-device time. The same rounds run in the
 in-process simulation for comparison. Reported: agents, rounds, lost updates, per-phase latency
-percentiles (TTD, TTE, TTR, TTP), the per-round wall time and server-side overhead
-(wall time minus the slowest device's TTE), server peak RSS (taken before the simulation part runs), and
-the simulation's per-round time.
+percentiles (TTD, TTE, TTR, TTP), the per-round wall time and server-side overhead (wall time minus the
+slowest device's TTE), the server process's CPU seconds per round (on one machine the agents compete with
+the server for the same cores, so this says what the server itself costs), server peak RSS (taken before
+the simulation part runs), and the simulation's per-round time.
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ async def _rounds(
     return {"walls": walls, "lost": lost, "tte_max": tte_max}
 
 
+def _cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
@@ -167,7 +173,9 @@ def bench_network(
                     raise ConfigError(
                         f"only {len(connected)} of {agents} agents connected in {connect_timeout:g} s"
                     )
+                cpu0 = _cpu_seconds(resource.RUSAGE_SELF)
                 net = await _rounds(runtime, ids, weights, rounds, timeout)
+                net["server_cpu"] = _cpu_seconds(resource.RUSAGE_SELF) - cpu0
                 timings = list(runtime.stats().timings)
                 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
                 return {"net": net, "timings": timings, "connect_seconds": connect_seconds, "rss": rss}
@@ -202,6 +210,7 @@ def bench_network(
         "round_seconds_median": float(np.median(walls)),
         "server_overhead_seconds": overhead,
         "server_overhead_seconds_median": float(np.median(overhead)),
+        "server_cpu_seconds_per_round": net["server_cpu"] / rounds,
         "simulation_round_seconds_median": float(np.median(sim["walls"])),
         "overhead_vs_simulation": float(np.median(walls) / np.median(sim["walls"])),
         "connect_seconds": result["connect_seconds"],
