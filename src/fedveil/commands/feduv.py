@@ -143,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
         from fedveil.errors import ConfigError
         from fedveil.experiments.network_run import NetworkPlan
 
-        if args.agents < 1:
-            raise ConfigError(f"--agents {args.agents}: start at least one local agent process")
-        network = NetworkPlan(agents=args.agents)
+        if args.agents < 0:
+            raise ConfigError(f"--agents {args.agents} must be >= 0")
+        network = NetworkPlan(listen=args.listen, pki=args.pki, agents=args.agents, wait_seconds=args.wait)
     results = fr.run_feduv(
         cfg,
         out,
