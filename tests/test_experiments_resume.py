@@ -17,14 +17,10 @@ from fedveil.experiments.runner import run_experiment
 from fedveil.protocols import fdml as fdml_module
 from fedveil.protocols.fdml import FDMLServer
 from fedveil.protocols.fedavg import FedAvgServer
+from test_experiments_runner import SMALL as RUNNER_SMALL
 
 SMALL = [
-    "data.train_users_per_model=[6, 6]",
-    "data.test_users_per_model=[11, 11]",
-    "fdml.num_required=4",
-    "fdml.samples_per_client=4",
-    "fedavg.clients_per_round=4",
-    "fedavg.samples_per_client=4",
+    *RUNNER_SMALL,
     "enclave.boundary=inprocess",
     "rounds=5",
     "name=r",

@@ -29,15 +29,11 @@ from fedveil.runtime.network.agent import AgentHost
 from fedveil.runtime.network.server import NetworkRuntime
 from fedveil.runtime.quoting import SimulatedPlatform
 from fedveil.runtime.simulation import SimulationRuntime
+from test_experiments_runner import SMALL as RUNNER_SMALL
 from test_protocols_feduv import CFG, CODE_LENGTH, TinyNet
 
 SMALL = [
-    "data.train_users_per_model=[6, 6]",
-    "data.test_users_per_model=[11, 11]",
-    "fdml.num_required=4",
-    "fdml.samples_per_client=4",
-    "fedavg.clients_per_round=4",
-    "fedavg.samples_per_client=4",
+    *RUNNER_SMALL,
     "enclave.boundary=inprocess",
     # no faults, and every reply arriving at once: the simulation then keeps the addressed order too
     "faults.embed.latency.kind=constant",
