@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,34 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from fedveil.core.atomic import atomic_file
 from fedveil.errors import ConfigError
 
 CHECKPOINT = "checkpoint.npz"
 SPEND_LOG = "privacy_spent.jsonl"
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (tmp file, fsync, rename, fsync of the directory)."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
 
 
 @dataclass
@@ -68,17 +44,8 @@ def save_checkpoint(directory: str | Path, ckpt: Checkpoint) -> Path:
     if {"meta", "round"} & set(ckpt.arrays):
         raise ConfigError("checkpoint arrays may not be named 'meta' or 'round'")
     meta = json.dumps({"round": ckpt.round, **ckpt.meta}, sort_keys=True).encode("utf-8")
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{CHECKPOINT}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, meta=np.frombuffer(meta, dtype=np.uint8), round=np.int64(ckpt.round), **ckpt.arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out / CHECKPOINT)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(out)
+    with atomic_file(out / CHECKPOINT) as fh:
+        np.savez(fh, meta=np.frombuffer(meta, dtype=np.uint8), round=np.int64(ckpt.round), **ckpt.arrays)
     return out / CHECKPOINT
 
 

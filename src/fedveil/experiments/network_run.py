@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import ExperimentConfig
 from fedveil.runtime.network import certs
@@ -36,12 +37,6 @@ PLATFORM_KEY = "platform.key"
 PLATFORM_PUB = "platform.pub"
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-
-
 def platform_for(pki: str | Path) -> SimulatedPlatform:
     """The emulated quoting platform of this deployment: loaded from ``pki/platform.key``, or made
     there on first use (with ``platform.pub`` beside it for the devices)."""
@@ -51,7 +46,7 @@ def platform_for(pki: str | Path) -> SimulatedPlatform:
         return SimulatedPlatform.from_private_bytes(key.read_bytes())
     seed = os.urandom(32)
     platform = SimulatedPlatform.from_private_bytes(seed)
-    _write_private(key, seed)
+    atomic_write(key, seed, mode=0o600)
     (root / PLATFORM_PUB).write_bytes(platform.public_key)
     return platform
 

@@ -22,6 +22,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from fedveil.core.atomic import atomic_write
 from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuoteVerifier
 from fedveil.data.touch_csv import load_touch_population
 from fedveil.data.touchauth import TouchAuthConfig, generate_touchauth
@@ -33,7 +34,6 @@ from fedveil.eval.verification import authentication_accuracy
 from fedveil.experiments.checkpoint import (
     Checkpoint,
     SpendLog,
-    atomic_write_bytes,
     load_checkpoint,
     save_checkpoint,
 )
@@ -266,7 +266,7 @@ def _rewrite_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
             rnd = obj["eval"]["round"] if "eval" in obj else obj.get("round")
             if isinstance(rnd, int) and rnd <= upto:
                 kept.append(obj)
-    atomic_write_bytes(path, "".join(json.dumps(o, sort_keys=True) + "\n" for o in kept).encode("utf-8"))
+    atomic_write(path, "".join(json.dumps(o, sort_keys=True) + "\n" for o in kept).encode("utf-8"))
     return kept
 
 

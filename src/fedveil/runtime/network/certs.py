@@ -48,6 +48,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError, FedveilError
 
 try:  # POSIX: serialise the JSON read-modify-writes across processes too.
@@ -150,44 +151,8 @@ class PkiPaths:
 # --------------------------------------------------------------------------------- file helpers
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (best effort: not every platform can open a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some file systems refuse
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Write ``data`` to ``path`` atomically: a new file in the same directory, fsync, then rename.
-
-    The temporary file is created with ``mode`` (0600 for private keys), so a key is never
-    readable by others, not even for a moment.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
 def _write_json(path: Path, doc: Any, *, mode: int = 0o644) -> None:
-    _write_atomic(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8"), mode=mode)
+    atomic_write(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8"), mode=mode)
 
 
 def _read_json(path: Path, default: Any) -> Any:
@@ -462,10 +427,10 @@ def init_pki(
         days,
     )
     with _locked(paths):
-        _write_atomic(paths.ca_key, _private_pem(ca_key), mode=0o600)
-        _write_atomic(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
-        _write_atomic(paths.server_key, _private_pem(server_key), mode=0o600)
-        _write_atomic(paths.server_cert, server_cert.public_bytes(serialization.Encoding.PEM))
+        atomic_write(paths.ca_key, _private_pem(ca_key), mode=0o600)
+        atomic_write(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
+        atomic_write(paths.server_key, _private_pem(server_key), mode=0o600)
+        atomic_write(paths.server_cert, server_cert.public_bytes(serialization.Encoding.PEM))
         _write_json(paths.revoked, {"serials": [], "names": []})
         _write_json(paths.tokens, {}, mode=0o600)
         _write_json(paths.issued, [])
@@ -504,9 +469,9 @@ class DeviceCredentials:
         if d.exists() and not d.is_dir():
             raise ConfigError(f"credentials directory {d} is a file; pass a directory path")
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _write_atomic(d / self.KEY_FILE, self.key_pem, mode=0o600)
-        _write_atomic(d / self.CERT_FILE, self.cert_pem)
-        _write_atomic(d / self.CA_FILE, self.ca_pem)
+        atomic_write(d / self.KEY_FILE, self.key_pem, mode=0o600)
+        atomic_write(d / self.CERT_FILE, self.cert_pem)
+        atomic_write(d / self.CA_FILE, self.ca_pem)
 
     @classmethod
     def read(cls, directory: str | Path) -> DeviceCredentials:
