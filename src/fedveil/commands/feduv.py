@@ -52,8 +52,16 @@ def register(subparsers: Any) -> None:
         help="network: users as device agents over gRPC + mutual TLS on loopback (methods run in turn)",
     )
     r.add_argument(
-        "--agents", type=int, default=4, help="with --runtime network: agent processes (default 4)"
+        "--agents",
+        type=int,
+        default=4,
+        help="with --runtime network: local agent processes (default 4; 0 = devices connect by themselves)",
     )
+    r.add_argument("--listen", default="127.0.0.1:0", help="with --runtime network: server HOST:PORT")
+    r.add_argument(
+        "--pki", type=Path, default=None, help="with --agents 0: PKI directory (fedveil certs init)"
+    )
+    r.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the devices (default 300)")
     a = actions.add_parser("agent", help="run users of a FedUV run as a device agent (docs/deployment.md)")
     a.add_argument("--server", required=True, help="the server's HOST:PORT")
     a.add_argument("--config", type=Path, required=True, help="the run's config (its config.json)")
