@@ -108,7 +108,6 @@ class AgentHost:
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="fedveil-agent", initializer=worker_init
         )
-        self.handled = 0
         self.batch_window = 0.002
         """Seconds the worker waits after a request for others to join its batch."""
 
@@ -285,17 +284,5 @@ class AgentHost:
             try:
                 async with state.write_lock:
                     await item.call.write(frame)
-                self.handled += 1
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
                 log.info("device %s: could not send reply: %s", item.device, exc)
-
-
-def run_agents(
-    host_factory: Callable[[], AgentHost],
-) -> dict[str, str]:
-    """Run an :class:`AgentHost` made in a fresh event loop until its devices are done."""
-
-    async def go() -> dict[str, str]:
-        return await host_factory().run()
-
-    return asyncio.run(go())

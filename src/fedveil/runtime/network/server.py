@@ -127,7 +127,6 @@ class NetworkRuntime:
         self.max_message_bytes = max_message_bytes
         self.heartbeat_seconds = heartbeat_seconds
         self.refusals: list[Refusal] = []
-        self.timings_enabled = True
         self._stats = CommStats()
         self._conns: dict[str, _Connection] = {}
         self._waiting: dict[tuple[str, int], _Waiting] = {}
@@ -347,19 +346,18 @@ class NetworkRuntime:
             self._drop(cid, phase, f"invalid reply: {err}")
             msg = None
         ttp = time.perf_counter() - t0
-        if self.timings_enabled:
-            self._stats.timings.append(
-                DeviceTiming(
-                    client=cid,
-                    phase=phase,
-                    bytes_down=waiting.bytes_down,
-                    bytes_up=len(reply.payload),
-                    ttd=max(0.0, reply.received_at - waiting.sent_at),
-                    tte=max(0.0, reply.sent_at - reply.received_at),
-                    ttr=max(0.0, arrived - reply.sent_at),
-                    ttp=ttp,
-                )
+        self._stats.timings.append(
+            DeviceTiming(
+                client=cid,
+                phase=phase,
+                bytes_down=waiting.bytes_down,
+                bytes_up=len(reply.payload),
+                ttd=max(0.0, reply.received_at - waiting.sent_at),
+                tte=max(0.0, reply.sent_at - reply.received_at),
+                ttr=max(0.0, arrived - reply.sent_at),
+                ttp=ttp,
             )
+        )
         return msg
 
     # ---------------------------------------------------------------- gRPC handlers
