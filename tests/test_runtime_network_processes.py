@@ -153,27 +153,61 @@ def test_killed_agent_is_a_dropout_and_a_killed_server_resumes(tmp_path: Path) -
     assert "BEGIN" not in log and "PRIVATE KEY" not in log, "no key material in the logs"
 
 
-def test_fedveil_run_over_the_network_writes_the_run_directory(tmp_path: Path) -> None:
-    """`fedveil run --runtime network --agents N`: a throw-away PKI, N agent processes, the usual files."""
-    from fedveil.cli import main
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(proc.name))
+    return found
 
+
+def test_fedveil_run_over_the_network_stops_cleanly_and_resumes(tmp_path: Path) -> None:
+    """`fedveil run --runtime network --agents N`: a throw-away PKI, N agent processes, the usual files;
+    SIGTERM stops the server and every agent, and --resume finishes the run."""
     cfg_path = tmp_path / "fl.yaml"
     cfg_path.write_text(
-        "name: fl-net\nprotocol: fedavg\nrounds: 3\n"
+        "name: fl-net\nprotocol: fedavg\nrounds: 400\n"
         "data:\n  train_users_per_model: [6, 6]\n  test_users_per_model: [11, 11]\n"
         "fedavg:\n  clients_per_round: 4\n  samples_per_client: 4\n"
     )
     out = tmp_path / "run"
-    assert main(["run", str(cfg_path), "--runtime", "network", "--agents", "2", "--out", str(out)]) == 0
+    cmd = [sys.executable, "-m", "fedveil", "run", str(cfg_path), "--runtime", "network", "--agents", "2"]
+    cmd += ["--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        _wait_for(lambda: len(_rounds(out)) >= 3, 120, "three rounds", [proc])
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 2
+    assert b"continue with the same command and --resume" in err
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_mentioning(str(out)), "every local agent process is gone"
+    stopped_at = len(_rounds(out))
+    assert stopped_at < 400
+    done = subprocess.run([*cmd, "--resume"], capture_output=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
     results = json.loads((out / "results.json").read_text())
-    assert results["runtime"] == "network" and results["rounds_applied"] == 3
+    assert results["runtime"] == "network" and results["rounds"] == 400
+    assert [r["round"] for r in _rounds(out)] == list(range(1, 401))
     for name in ("metrics.jsonl", "devices.jsonl", "round_timing.png", "checkpoint.npz", "agent-1.log"):
         assert (out / name).is_file(), name
     devices = [json.loads(x) for x in (out / "devices.jsonl").read_text().splitlines()]
-    assert [d["round"] for d in devices] == [1, 2, 3]
+    assert [d["round"] for d in devices] == list(range(1, 401))
     assert all(len(d["devices"]) == 4 and d["devices"][0]["tte"] is not None for d in devices)
-    rounds = _rounds(out)
-    assert all({"ttd_p50", "tte_p50", "ttr_p50", "ttp_p50"} <= set(r) for r in rounds)
+    assert all({"ttd_p50", "tte_p50", "ttr_p50", "ttp_p50"} <= set(r) for r in _rounds(out))
     assert (out / "pki" / "ca.key").stat().st_mode & 0o077 == 0
 
 

@@ -21,3 +21,7 @@ class CodecError(FedveilError):
 
 class ValidationError(FedveilError):
     """A decoded message whose contents a protocol does not accept (shape, round, size, ...)."""
+
+
+class RunInterrupted(FedveilError):
+    """A run stopped by Ctrl-C or SIGTERM; the message says where its checkpoint is and how to resume."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -28,7 +29,7 @@ from fedveil.data.touch_csv import load_touch_population
 from fedveil.data.touchauth import TouchAuthConfig, generate_touchauth
 from fedveil.enclave.channel import RECORD_OVERHEAD
 from fedveil.enclave.measure import EnclaveConfig, measure_enclave
-from fedveil.errors import ConfigError
+from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.eval.plots import plot_roc
 from fedveil.eval.verification import authentication_accuracy
 from fedveil.experiments.checkpoint import (
@@ -255,7 +256,8 @@ def _json_line(fh: Any, obj: dict[str, Any]) -> None:
 
 
 def _rewrite_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
-    """Keep the ``metrics.jsonl`` lines of rounds <= ``upto`` (a resumed run's past), atomically."""
+    """Keep the lines of ``metrics.jsonl`` (or ``devices.jsonl``) of rounds <= ``upto`` (a resumed run's
+    past), atomically."""
     kept: list[dict[str, Any]] = []
     if path.exists():
         for line in path.read_text(encoding="utf-8").splitlines():
@@ -350,6 +352,8 @@ def run_experiment(
 
         trainer.server.before_release = pay
     history = _rewrite_metrics(out / "metrics.jsonl", start - 1) if resume else []
+    if resume:
+        _rewrite_metrics(out / "devices.jsonl", start - 1)
     losses: list[tuple[int, float]] = [
         (h["round"], float(h["loss"])) for h in history if "round" in h and h.get("loss") is not None
     ]
@@ -459,11 +463,20 @@ def run_experiment(
             _json_line(fh, {"eval": {"round": last, **metrics}})
 
     async def main(fh: Any, dh: Any) -> None:
+        if network is None:
+            await train(fh, dh)
+            return
+        # SIGTERM (a service manager stopping the server) unwinds like Ctrl-C: agents are told training
+        # is over and local agent processes are stopped; the last checkpoint stays for --resume
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
         try:
             await train(fh, dh)
         finally:
-            if network is not None:
-                await network.stop(trainer.runtime)
+            loop.remove_signal_handler(signal.SIGTERM)
+            await network.stop(trainer.runtime)
 
     try:
         mode = "a" if resume else "w"
@@ -472,6 +485,12 @@ def run_experiment(
             open(out / "devices.jsonl", mode, encoding="utf-8") as dh,
         ):
             asyncio.run(main(fh, dh))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        ckpt = load_checkpoint(out)
+        done = f"after round {ckpt.round}" if ckpt else "before the first round"
+        raise RunInterrupted(
+            f"interrupted {done}; continue with the same command and --resume (run directory {out})"
+        ) from None
     finally:
         trainer.close()
     real = time.perf_counter() - started

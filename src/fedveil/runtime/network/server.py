@@ -242,9 +242,9 @@ class NetworkRuntime:
         self._stats.dropouts.append(Dropout(device, phase, reason))
         log.info("dropout: device %s in phase %s: %s", device, phase, reason)
 
-    def _refuse(self, peer: str, reason: str) -> None:
+    def _refuse(self, peer: str, reason: str, *, level: int = logging.WARNING) -> None:
         self.refusals.append(Refusal(peer, reason))
-        log.warning("refused %s: %s", peer, reason)
+        log.log(level, "refused %s: %s", peer, reason)
 
     async def request(
         self,
@@ -489,7 +489,12 @@ class NetworkRuntime:
                 if others
                 else "which is not awaited (late, replayed or unknown)"
             )
-            self._refuse(conn.device, f"reply to request {reply.request_id}, {why}")
+            # a late reply is routine (the round moved on); one for another device is not
+            self._refuse(
+                conn.device,
+                f"reply to request {reply.request_id}, {why}",
+                level=logging.WARNING if others else logging.INFO,
+            )
             return
         if not waiting.future.done():
             waiting.future.set_result((reply, arrived))
