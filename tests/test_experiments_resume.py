@@ -138,3 +138,13 @@ def test_a_torn_spend_line_is_ignored(tmp_path: Path) -> None:
     assert log.rounds() == [1, 2]
     log.record(3)
     assert log.rounds() == [1, 2, 3]
+
+
+def test_a_reproducible_dp_seed_is_refused_outside_the_simulation(toy_population: Any) -> None:
+    from fedveil.experiments.runner import build_trainer
+    from fedveil.protocols.fdml import DPRelease
+
+    cfg = load_config(None, SMALL)
+    release = DPRelease("paper", 1e-3, 1.0, 0.2)
+    with pytest.raises(ConfigError, match="simulation only: a deployed enclave must draw its noise from OS"):
+        build_trainer(cfg, toy_population, release, runtime=object(), dp_seed=5)

@@ -13,7 +13,6 @@ from typing import Any
 
 from fedveil.enclave.triplet import DEFAULT_MEMORY_LIMIT_BYTES, STRATEGIES
 from fedveil.errors import ConfigError
-from fedveil.experiments.bench_enclave import bench_enclave
 from fedveil.experiments.triplet_reference import REFERENCE_MEMORY_BYTES
 
 
@@ -93,6 +92,8 @@ def _run_enclave(args: argparse.Namespace) -> int:
         )
     if args.boundary != "none":
         return _run_boundary(args)
+    from fedveil.experiments.bench_enclave import bench_enclave
+
     rows = bench_enclave(
         args.participants,
         args.samples,

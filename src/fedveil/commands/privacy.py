@@ -12,16 +12,9 @@ import argparse
 import json
 from typing import Any
 
+from fedveil.enclave.dp import MODES as ACCOUNTINGS
 from fedveil.errors import ConfigError
-from fedveil.privacy.accounting import (
-    ACCOUNTANTS,
-    MECHANISMS,
-    TF_PRIVACY_RDP_ORDERS,
-    Accountant,
-    GaussianRelease,
-    LaplaceRelease,
-)
-from fedveil.privacy.ledger import ACCOUNTINGS, DEFAULT_DELTA, fdml_participation_rate, fdml_privacy_summary
+from fedveil.privacy.names import ACCOUNTANTS, DEFAULT_DELTA, MECHANISMS
 
 RDP_ORDER_SETS = ("dp-accounting", "tf-privacy")
 
@@ -100,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_epsilon(args: argparse.Namespace) -> int:
     """Print the epsilon of ``--steps`` releases."""
+    from fedveil.privacy.accounting import TF_PRIVACY_RDP_ORDERS, Accountant, GaussianRelease, LaplaceRelease
+
     if args.mechanism == "gaussian":
         event: GaussianRelease | LaplaceRelease = GaussianRelease(
             args.noise_multiplier, args.sampling_rate, args.steps
@@ -144,6 +139,8 @@ def _group_sizes(args: argparse.Namespace) -> list[int]:
 
 def run_fdml(args: argparse.Namespace) -> int:
     """Print the FDML privacy summary."""
+    from fedveil.privacy.ledger import fdml_participation_rate, fdml_privacy_summary
+
     q = fdml_participation_rate(num_addressed=args.participants, group_sizes=_group_sizes(args))
     summary = fdml_privacy_summary(
         bound_T=args.bound_T,

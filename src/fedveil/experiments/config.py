@@ -18,8 +18,7 @@ from typing import Any
 import yaml
 
 from fedveil.errors import ConfigError
-from fedveil.protocols.fdml import FDMLConfig
-from fedveil.protocols.fedavg import FedAvgConfig
+from fedveil.protocols.settings import FDMLConfig, FedAvgConfig
 
 PROTOCOLS = ("fdml", "fedavg")
 DATA_KINDS = ("touchauth-synthetic", "touchauth-csv")

@@ -10,8 +10,12 @@ distance. Runs in float64.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from fedveil.errors import ConfigError
 
@@ -33,6 +37,8 @@ def reference_fits(num_embeddings: int, dim: int, memory_bytes: int = REFERENCE_
 
 def _safe_norm(diff: torch.Tensor) -> torch.Tensor:
     """Norms over the last axis with gradient 0 (not NaN) at a zero vector."""
+    import torch
+
     sq = (diff * diff).sum(dim=-1)
     positive = sq > 0
     return torch.where(positive, torch.sqrt(torch.where(positive, sq, torch.ones_like(sq))), 0.0)
@@ -40,6 +46,8 @@ def _safe_norm(diff: torch.Tensor) -> torch.Tensor:
 
 def _triplets(labels: torch.Tensor) -> torch.Tensor:
     """Indices ``(T, 3)`` of the valid ``(a, p, n)`` of all ``N^3``: same label, ``a != p``, other label."""
+    import torch
+
     n = labels.shape[0]
     index = torch.arange(n)
     same = labels[:, None] == labels[None, :]
@@ -68,6 +76,8 @@ def reference_loss_and_derivatives(
             f"{n} embeddings of dimension {d}: the N^3 = {n**3} triplet grid does not fit in "
             f"memory_bytes={memory_bytes}"
         )
+    import torch
+
     x = torch.tensor(np.asarray(embeddings, dtype=np.float64), requires_grad=True)
     a, p, q = _triplets(torch.as_tensor(np.asarray(labels))).unbind(dim=1)
     dist = _safe_norm(x[:, None, :] - x[None, :, :])

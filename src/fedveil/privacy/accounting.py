@@ -39,9 +39,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from fedveil.errors import ConfigError
-
-ACCOUNTANTS = ("pld", "rdp")
-MECHANISMS = ("gaussian", "laplace")
+from fedveil.privacy.names import ACCOUNTANTS, MECHANISMS
 
 #: Default PLD grid: privacy losses are rounded up (pessimistically) to multiples of this.
 DEFAULT_PLD_INTERVAL = 1e-4

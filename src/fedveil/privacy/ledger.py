@@ -45,9 +45,9 @@ from fedveil.privacy.accounting import (
     pld_epsilon,
     pld_of,
 )
+from fedveil.privacy.names import DEFAULT_DELTA
 
 ACCOUNTINGS = MODES
-DEFAULT_DELTA = 1e-5
 #: The most rounds :meth:`PrivacyLedger.affordable_rounds` searches by default (one PLD of 10^6
 #: rounds takes about 0.2 s; the cost grows with the number of rounds).
 MAX_ROUNDS = 10**6

@@ -13,7 +13,6 @@ McMahan et al. 2017). Evaluation uses the embedding network only (the head is dr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,33 +28,7 @@ from fedveil.protocols.common import ClientData, RoundReport, as_tensor, client_
 from fedveil.protocols.common import select_group_cohort as select_cohort
 from fedveil.protocols.messages import Register, RegistrationCall, TrainReply, TrainRequest
 from fedveil.protocols.registration import register_clients
-
-
-@dataclass(frozen=True)
-class FedAvgConfig:
-    """Settings of FL-traditional rounds: cohort size, samples, local SGD learning rate and steps,
-    the simulated reply ``timeout`` in seconds and the fewest replies a round needs."""
-
-    clients_per_round: int = 64
-    samples_per_client: int = 8
-    lr: float = 0.1
-    local_steps: int = 1
-    timeout: float = 30.0
-    min_replies: int = 1
-
-    def __post_init__(self) -> None:
-        if self.clients_per_round < 1:
-            raise ConfigError(f"clients_per_round {self.clients_per_round!r} must be >= 1")
-        if self.samples_per_client < 1:
-            raise ConfigError(f"samples_per_client {self.samples_per_client!r} must be >= 1")
-        if not self.lr > 0:
-            raise ConfigError(f"lr {self.lr!r} must be > 0")
-        if self.local_steps < 1:
-            raise ConfigError(f"local_steps {self.local_steps!r} must be >= 1")
-        if not self.timeout > 0:
-            raise ConfigError(f"timeout {self.timeout!r} must be > 0 seconds")
-        if self.min_replies < 1:
-            raise ConfigError(f"min_replies {self.min_replies!r} must be >= 1")
+from fedveil.protocols.settings import FedAvgConfig
 
 
 class EmbeddingClassifier(nn.Module):
