@@ -26,6 +26,16 @@ def test_bench_rounds_json(capsys) -> None:
     assert row["participants"] == 4 and row["samples"] == 4
     assert len(row["rounds_per_second_runs"]) == 2 and row["rounds_per_second"] > 0
     assert row["bytes_up_per_round"] > 0 and row["enclave_boundary"] == "process"
+    # the floor, measured in the same run
+    assert row["device_flops_per_round"] > 0 and row["peak_gemm_gflops"] > 0
+    parts = (
+        row["device_flops_per_round"] / (row["peak_gemm_gflops"] * 1e9)
+        + row["alg1_seconds"]
+        + row["sealed_bytes_per_round"] / row["aes_gcm_bytes_per_second"]
+        + row["copied_bytes_per_round"] / row["memcpy_bytes_per_second"]
+    )
+    assert abs(row["floor_seconds"] - parts) <= 1e-9 * parts
+    assert abs(row["fraction_of_floor"] - row["floor_seconds"] * row["rounds_per_second"]) <= 1e-9
 
 
 def test_bench_enclave_through_the_boundary(capsys) -> None:

@@ -212,7 +212,10 @@ def _run_rounds(args: argparse.Namespace) -> int:
             f"FDML rounds/s: {row['rounds_per_second']:.2f} (median of {row['rounds_per_second_runs']}); "
             f"15,000 rounds take {row['seconds_for_15000_rounds'] / 60:.0f} min; "
             f"{row['bytes_up_per_round'] / 2**20:.1f} MiB up, "
-            f"{row['bytes_down_per_round'] / 2**20:.1f} MiB down per round"
+            f"{row['bytes_down_per_round'] / 2**20:.1f} MiB down per round; "
+            f"device {row['device_flops_per_round'] / 1e9:.1f} GFLOP per round at "
+            f"{row['device_gflops_achieved']:.0f} GFLOP/s (peak GEMM {row['peak_gemm_gflops']:.0f}); "
+            f"floor {row['floor_seconds']:.3f} s, fraction of floor {row['fraction_of_floor']:.2f}"
         )
     return 0
 

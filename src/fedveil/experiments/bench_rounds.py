@@ -1,21 +1,36 @@
-"""Benchmark: FDML training rounds per second in the simulation runtime.
+"""Benchmark: FDML training rounds per second in the simulation runtime, and the floor under it.
 
 Measures whole rounds (selection, codec round trips of every message, client forward and backward
 passes, enclave loss and derivatives, Eq. 2, Adam) at the paper's TouchAuth setting (64
 participants x 8 samples) on the full synthetic population, after a warm-up.
+
+The floor (issue: FDML at the paper's scale, "know the floor") is measured in the same run:
+
+- ``device_flops_per_round``: floating-point operations of the devices' work in one round (forward of
+  the cohort's samples and the per-device backward), *counted* by torch's ``FlopCounterMode`` over the
+  client pool's calls, not estimated;
+- ``peak_gemm_gflops``: a large square float32 matmul at the same thread count (the machine's best case);
+- ``alg1_seconds``: the enclave's Alg. 1 on the round's embeddings (participants x samples, 64-d);
+- ``sealed_bytes_per_round`` (uploads and the derivatives: what crosses the enclave channel) at the
+  measured AES-256-GCM rate, and ``copied_bytes_per_round`` (an upper bound: every metered byte encoded
+  and decoded once) at the measured memcpy rate;
+- ``floor_seconds`` = device FLOPs at the peak GEMM rate + Alg. 1 + sealing + copying, and
+  ``fraction_of_floor`` = floor_seconds / measured seconds per round (1.0 would be a round at the floor).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedveil.experiments.config import load_config
-from fedveil.experiments.runner import build_population, build_trainer
+from fedveil.experiments.runner import EMBEDDING_DIM, build_population, build_trainer
 
 
 def bench_rounds(
@@ -32,11 +47,11 @@ def bench_rounds(
     population = build_population(cfg)
     trainer = build_trainer(cfg, population)
     rates: list[float] = []
-    warm = {}
+    warm: dict[str, Any] = {}
 
     async def go() -> None:
         await trainer.server.register(trainer.runtime)
-        await trainer.server.run_round(0, trainer.runtime)
+        warm["flops"] = await _count_device_flops(trainer, 0)  # the warm-up round, counted
         warm["stats"] = trainer.runtime.stats().copy()
         rnd = 1
         for _ in range(repeats):
@@ -53,6 +68,19 @@ def bench_rounds(
     stats, base = trainer.runtime.stats(), warm["stats"]
     timed = rounds * repeats
     rate = statistics.median(rates)
+    bytes_up = (stats.bytes_up - base.bytes_up) / timed
+    bytes_down = (stats.bytes_down - base.bytes_down) / timed
+    floor = _floor(
+        flops=warm["flops"],
+        embeddings=cfg.fdml.num_required * cfg.fdml.samples_per_client,
+        # sealed: what devices upload (embeddings, gradients) and the derivatives sent back; the weights
+        # broadcast travels in plaintext
+        sealed_bytes=bytes_up + cfg.fdml.num_required * cfg.fdml.samples_per_client * EMBEDDING_DIM * 4
+        if cfg.enclave.boundary != "none"
+        else 0.0,
+        copied_bytes=2 * (bytes_up + bytes_down),
+        threads=threads,
+    )
     return {
         "protocol": "fdml",
         "enclave_boundary": cfg.enclave.boundary,
@@ -63,6 +91,82 @@ def bench_rounds(
         "rounds_per_second": rate,
         "rounds_per_second_runs": rates,
         "seconds_for_15000_rounds": 15000 / rate,
-        "bytes_up_per_round": (stats.bytes_up - base.bytes_up) / timed,
-        "bytes_down_per_round": (stats.bytes_down - base.bytes_down) / timed,
+        "bytes_up_per_round": bytes_up,
+        "bytes_down_per_round": bytes_down,
+        **floor,
+        "device_gflops_achieved": warm["flops"] / 1e9 * rate,
+        "fraction_of_floor": floor["floor_seconds"] * rate,
     }
+
+
+async def _count_device_flops(trainer: Any, rnd: int) -> float:
+    """FLOPs of the devices' work in round ``rnd`` (matmuls and convolutions, as torch's
+    ``FlopCounterMode`` counts them), over every call of the client pool in that round."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    pool = trainer.pool
+    inner = pool.handle_batch
+    total = [0]
+
+    def counted(msgs: Any) -> Any:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out = inner(msgs)
+        total[0] += counter.get_total_flops()
+        return out
+
+    pool.handle_batch = counted
+    try:
+        report = await trainer.server.run_round(rnd, trainer.runtime)
+    finally:
+        del pool.handle_batch
+    if not report.applied or report.attempts != 1:
+        raise RuntimeError(f"the counted round {rnd} did not run once cleanly ({report.as_dict()})")
+    return float(total[0])
+
+
+def _median_seconds(fn: Any, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _floor(
+    *, flops: float, embeddings: int, sealed_bytes: float, copied_bytes: float, threads: int
+) -> dict[str, float]:
+    """The floor's parts, each measured here (module docstring)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from fedveil.enclave.triplet import loss_and_derivatives
+
+    torch.set_num_threads(threads)
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    peak = 2 * n**3 / _median_seconds(lambda: a @ b) / 1e9
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(embeddings, 64)).astype(np.float32)
+    labels = np.repeat(np.arange(embeddings // 8 or 1), 8)[:embeddings]
+    alg1 = _median_seconds(lambda: loss_and_derivatives(emb, labels, margin=1.0, strategy="batch-all"))
+    block = os.urandom(2**20)
+    aes, nonce = AESGCM(os.urandom(32)), os.urandom(12)
+    aes_rate = len(block) / _median_seconds(lambda: aes.encrypt(nonce, block, None))
+    big = np.ones(2**24, dtype=np.uint8)
+    copy_rate = big.nbytes / _median_seconds(lambda: big.copy())
+    parts = {
+        "device_flops_per_round": flops,
+        "peak_gemm_gflops": peak,
+        "device_seconds_at_peak": flops / (peak * 1e9),
+        "alg1_seconds": alg1,
+        "sealed_bytes_per_round": sealed_bytes,
+        "aes_gcm_bytes_per_second": aes_rate,
+        "copied_bytes_per_round": copied_bytes,
+        "memcpy_bytes_per_second": copy_rate,
+    }
+    parts["floor_seconds"] = (
+        parts["device_seconds_at_peak"] + alg1 + sealed_bytes / aes_rate + copied_bytes / copy_rate
+    )
+    return parts
