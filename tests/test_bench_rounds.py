@@ -20,7 +20,22 @@ SMALL = [
 
 def test_bench_rounds_json(capsys) -> None:
     assert (
-        main(["bench", "rounds", "--rounds", "2", "--repeats", "2", "--threads", "1", *SMALL, "--json"]) == 0
+        main(
+            [
+                "bench",
+                "rounds",
+                "--rounds",
+                "2",
+                "--repeats",
+                "2",
+                "--threads",
+                "1",
+                "--profile",
+                *SMALL,
+                "--json",
+            ]
+        )
+        == 0
     )
     row = json.loads(capsys.readouterr().out)
     assert row["participants"] == 4 and row["samples"] == 4
@@ -36,6 +51,18 @@ def test_bench_rounds_json(capsys) -> None:
     )
     assert abs(row["floor_seconds"] - parts) <= 1e-9 * parts
     assert abs(row["fraction_of_floor"] - row["floor_seconds"] * row["rounds_per_second"]) <= 1e-9
+    # the profile's phases add up to the profiled round, and the device and enclave phases were found
+    prof = row["profile_seconds_per_round"]
+    phases = sum(v for k, v in prof.items() if k != "profiled_round_seconds")
+    assert abs(phases - prof["profiled_round_seconds"]) <= 1e-9
+    for phase in (
+        "device_forward",
+        "device_backward",
+        "device_sealing",
+        "enclave_step5_alg1",
+        "enclave_step9_eq2",
+    ):
+        assert prof[phase] > 0, phase
 
 
 def test_bench_enclave_through_the_boundary(capsys) -> None:

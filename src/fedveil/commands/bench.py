@@ -184,6 +184,7 @@ def _add_rounds(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed blocks; the median is reported (default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--one-by-one", action="store_true", help="compute devices one by one instead of batched")
+    p.add_argument("--profile", action="store_true", help="one more block under cProfile: seconds per phase")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override"
     )
@@ -204,6 +205,7 @@ def _run_rounds(args: argparse.Namespace) -> int:
         batched=not args.one_by_one,
         threads=args.threads,
         overrides=tuple(args.overrides),
+        profile=args.profile,
     )
     if args.json:
         print(json.dumps(row, indent=2))

@@ -40,8 +40,10 @@ def bench_rounds(
     batched: bool = True,
     threads: int = 2,
     overrides: tuple[str, ...] = (),
+    profile: bool = False,
 ) -> dict[str, Any]:
-    """Median rounds per second over ``repeats`` timed blocks of ``rounds`` rounds each."""
+    """Median rounds per second over ``repeats`` timed blocks of ``rounds`` rounds each; ``profile`` adds
+    one more block of ``rounds`` rounds under cProfile and reports seconds per round by phase."""
     torch.set_num_threads(threads)
     cfg = load_config(None, ["protocol=fdml", f"runtime.batched={str(batched).lower()}", *overrides])
     population = build_population(cfg)
@@ -60,16 +62,18 @@ def bench_rounds(
                 await trainer.server.run_round(rnd, trainer.runtime)
                 rnd += 1
             rates.append(rounds / (time.perf_counter() - start))
+        warm["stats"] = _stats_minus(trainer.runtime.stats().copy(), warm["stats"])
+        if profile:
+            warm["profile"] = await _profile_rounds(trainer, rnd, rounds)
 
     try:
         asyncio.run(go())
     finally:
         trainer.close()
-    stats, base = trainer.runtime.stats(), warm["stats"]
     timed = rounds * repeats
     rate = statistics.median(rates)
-    bytes_up = (stats.bytes_up - base.bytes_up) / timed
-    bytes_down = (stats.bytes_down - base.bytes_down) / timed
+    bytes_up = warm["stats"].bytes_up / timed
+    bytes_down = warm["stats"].bytes_down / timed
     floor = _floor(
         flops=warm["flops"],
         embeddings=cfg.fdml.num_required * cfg.fdml.samples_per_client,
@@ -96,7 +100,76 @@ def bench_rounds(
         **floor,
         "device_gflops_achieved": warm["flops"] / 1e9 * rate,
         "fraction_of_floor": floor["floor_seconds"] * rate,
+        **({"profile_seconds_per_round": warm["profile"]} if profile else {}),
     }
+
+
+def _stats_minus(after: Any, before: Any) -> Any:
+    """Traffic of the timed blocks alone (a profiled block may follow them)."""
+    after.bytes_up -= before.bytes_up
+    after.bytes_down -= before.bytes_down
+    return after
+
+
+#: Phases of a round and the functions whose cumulative time makes each (``(module suffix, name)``);
+#: a phase's own time excludes the phases nested in it (sealing inside the device phases, the codec
+#: inside the runtime).
+PHASES: dict[str, tuple[tuple[str, str], ...]] = {
+    "device_forward": (("protocols/fdml.py", "_embed"),),
+    "device_backward": (("protocols/fdml.py", "_backprop"),),
+    "device_sealing": (
+        ("core/attestation_verify.py", "seal_embeddings"),
+        ("core/attestation_verify.py", "seal_gradient"),
+        ("core/attestation_verify.py", "open_derivatives"),
+    ),
+    "enclave_step5_alg1": (("protocols/fdml.py", "step_five"),),
+    "enclave_step9_eq2": (("protocols/fdml.py", "step_nine"),),
+    "adam": (("torch/optim/adam.py", "step"),),
+    "codec": (("core/codec.py", "encode"), ("core/codec.py", "decode")),
+}
+
+
+async def _profile_rounds(trainer: Any, first: int, rounds: int) -> dict[str, float]:
+    """Seconds per round by phase, from cProfile's cumulative times over ``rounds`` rounds. The enclave
+    phases are what the host waits for (the pipe, the enclave's work and its sealing); ``other`` is the
+    rest of the round (selection, validation, Python). cProfile slows Python code, so the shares are
+    indicative; ``profiled_round_seconds`` says by how much."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for rnd in range(first, first + rounds):
+        await trainer.server.run_round(rnd, trainer.runtime)
+    prof.disable()
+    total = (time.perf_counter() - start) / rounds
+    table = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+
+    def cumulative(keys: tuple[tuple[str, str], ...]) -> float:
+        return (
+            sum(
+                ct
+                for (path, _, name), (_, _, _, ct, _) in table.items()
+                if any(path.replace("\\", "/").endswith(suffix) and name == fn for suffix, fn in keys)
+            )
+            / rounds
+        )
+
+    raw = {phase: cumulative(keys) for phase, keys in PHASES.items()}
+    sealing = raw["device_sealing"]
+    out = {
+        "device_forward": raw["device_forward"] - cumulative(PHASES["device_sealing"][:1]),
+        "device_backward": raw["device_backward"] - cumulative(PHASES["device_sealing"][1:]),
+        "device_sealing": sealing,
+        "enclave_step5_alg1": raw["enclave_step5_alg1"],
+        "enclave_step9_eq2": raw["enclave_step9_eq2"],
+        "adam": raw["adam"],
+        "codec": raw["codec"],
+    }
+    out["other"] = total - sum(out.values())
+    out["profiled_round_seconds"] = total
+    return out
 
 
 async def _count_device_flops(trainer: Any, rnd: int) -> float:
