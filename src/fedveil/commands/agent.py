@@ -37,11 +37,10 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the devices from the config and serve until the server says training is over."""
-    import asyncio
 
     import torch
 
-    from fedveil.experiments.network_run import build_agent, parse_shard
+    from fedveil.experiments.network_run import build_agent, parse_shard, serve_devices
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, args.threads))
@@ -59,8 +58,4 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.insecure:
         print("fedveil agent: WARNING: --insecure: no TLS", file=sys.stderr)
-    endings = asyncio.run(host.run())
-    failed = {d: e for d, e in endings.items() if e != "finished"}
-    for d, e in failed.items():
-        print(f"fedveil agent: device {d}: {e}", file=sys.stderr)
-    return 1 if failed else 0
+    return serve_devices(host, "fedveil agent")

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fedveil.experiments.network_options import add_network_arguments, network_plan
+
 
 def register(subparsers: Any) -> None:
     """Add the ``feduv`` command with its ``run`` and ``bench`` actions."""
@@ -45,23 +47,7 @@ def register(subparsers: Any) -> None:
     r.add_argument("--workers", type=int, default=None, help="processes training methods side by side")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.add_argument(
-        "--runtime",
-        choices=("simulation", "network"),
-        default="simulation",
-        help="network: users as device agents over gRPC + mutual TLS on loopback (methods run in turn)",
-    )
-    r.add_argument(
-        "--agents",
-        type=int,
-        default=4,
-        help="with --runtime network: local agent processes (default 4; 0 = devices connect by themselves)",
-    )
-    r.add_argument("--listen", default="127.0.0.1:0", help="with --runtime network: server HOST:PORT")
-    r.add_argument(
-        "--pki", type=Path, default=None, help="with --agents 0: PKI directory (fedveil certs init)"
-    )
-    r.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the devices (default 300)")
+    add_network_arguments(r, default_agents=4, clients="users")
     a = actions.add_parser("agent", help="run users of a FedUV run as a device agent (docs/deployment.md)")
     a.add_argument("--server", required=True, help="the server's HOST:PORT")
     a.add_argument("--config", type=Path, required=True, help="the run's config (its config.json)")
@@ -146,14 +132,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
     )
     out = args.out or Path("runs") / cfg.name
-    network = None
-    if args.runtime == "network":
-        from fedveil.errors import ConfigError
-        from fedveil.experiments.network_run import NetworkPlan
-
-        if args.agents < 0:
-            raise ConfigError(f"--agents {args.agents} must be >= 0")
-        network = NetworkPlan(listen=args.listen, pki=args.pki, agents=args.agents, wait_seconds=args.wait)
+    network = network_plan(args)
     results = fr.run_feduv(
         cfg,
         out,
@@ -171,13 +150,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _agent(args: argparse.Namespace) -> int:
     """Serve users of one method of a FedUV run until the server says training is over."""
-    import asyncio
 
     import torch
 
     from fedveil.data.mnist_uv import generate_mnist_uv
     from fedveil.experiments.feduv_runner import feduv_clients, load_feduv_config
-    from fedveil.experiments.network_run import agent_host, parse_shard
+    from fedveil.experiments.network_run import agent_host, parse_shard, serve_devices
 
     torch.set_num_threads(max(1, args.threads))
     cfg = load_feduv_config(args.config)
@@ -191,8 +169,4 @@ def _agent(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         give_up_after=args.give_up_after,
     )
-    endings = asyncio.run(host.run())
-    failed = {d: e for d, e in endings.items() if e != "finished"}
-    for d, e in failed.items():
-        print(f"fedveil feduv agent: user {d}: {e}", file=sys.stderr)
-    return 1 if failed else 0
+    return serve_devices(host, "fedveil feduv agent")

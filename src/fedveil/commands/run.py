@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedveil.errors import ConfigError
 from fedveil.experiments.config import load_config
+from fedveil.experiments.network_options import add_network_arguments, network_plan
 from fedveil.experiments.report import format_results
 
 
@@ -29,25 +29,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<name>)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument(
-        "--runtime",
-        choices=("simulation", "network"),
-        default="simulation",
-        help="simulation: in-process clients (default); network: a gRPC server and device agents over TLS",
-    )
-    p.add_argument(
-        "--agents",
-        type=int,
-        default=8,
-        metavar="N",
-        help="with --runtime network: agent processes started on loopback, each hosting an equal share "
-        "of the devices, one TLS connection and certificate per device (default 8)",
-    )
-    p.add_argument(
-        "--listen",
-        default="127.0.0.1:0",
-        help="with --runtime network: server address (default: a free port)",
-    )
+    add_network_arguments(p, default_agents=8, clients="devices")
     p.set_defaults(func=run)
 
 
@@ -57,13 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     out = args.out or Path("runs") / cfg.name
-    network = None
-    if args.runtime == "network":
-        from fedveil.experiments.network_run import NetworkPlan
-
-        if args.agents < 1:
-            raise ConfigError(f"--agents {args.agents}: start at least one local agent process")
-        network = NetworkPlan(listen=args.listen, agents=args.agents)
+    network = network_plan(args)
     results = run_experiment(
         cfg, out, progress=not args.no_progress and sys.stderr.isatty(), resume=args.resume, network=network
     )

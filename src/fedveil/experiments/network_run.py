@@ -68,8 +68,7 @@ class NetworkPlan:
     enrol_listen: str | None = None
     heartbeat_seconds: float = 5.0
     agent_threads: int = 1
-    _procs: list[asyncio.subprocess.Process] = field(default_factory=list)
-    _pki: Path | None = None
+    _procs: list[asyncio.subprocess.Process] = field(default_factory=list, init=False, repr=False)
 
     def make_runtime(
         self, out: Path, *, max_message_bytes: int, attested: bool
@@ -86,7 +85,6 @@ class NetworkPlan:
             pki = out / "pki"
             if not (pki / "ca.crt").exists():
                 certs.init_pki(pki)
-        self._pki = pki
         runtime = NetworkRuntime(
             self.listen,
             pki=pki,
@@ -111,7 +109,7 @@ class NetworkPlan:
         wait until enough of the devices ``ids`` are connected."""
         port = await runtime.start()
         if self.agents:
-            await self._spawn(port, ids, out, agent_command)
+            await self._spawn(runtime, port, ids, out, agent_command)
         need = len(ids) if self.min_devices is None else self.min_devices
         log.info("waiting up to %.0f s for %d devices on port %d", self.wait_seconds, need, port)
         got = await runtime.wait_for_devices(need, self.wait_seconds)
@@ -121,14 +119,15 @@ class NetworkPlan:
                 "start more agents or lower --min-devices"
             )
 
-    async def _spawn(self, port: int, ids: list[str], out: Path, agent_command: list[str]) -> None:
+    async def _spawn(
+        self, runtime: NetworkRuntime, port: int, ids: list[str], out: Path, agent_command: list[str]
+    ) -> None:
         cred_dir = out / "devices"
         cred_dir.mkdir(exist_ok=True)
         if not self.insecure:
-            assert self._pki is not None
             for name in ids:
                 if not (cred_dir / name / "device.crt").exists():
-                    certs.issue_device(self._pki, name).write(cred_dir / name)
+                    certs.issue_device(runtime.pki, name).write(cred_dir / name)
         n = min(self.agents, len(ids))
         for i in range(n):
             cmd = [
@@ -145,13 +144,7 @@ class NetworkPlan:
                 "--threads",
                 str(self.agent_threads),
             ]
-            if self.insecure:
-                cmd.append("--insecure")
-            else:
-                assert self._pki is not None
-                cmd += ["--credentials", str(cred_dir)]
-                if (self._pki / PLATFORM_PUB).exists():
-                    cmd += ["--platform-key", str(self._pki / PLATFORM_PUB)]
+            cmd += ["--insecure"] if self.insecure else ["--credentials", str(cred_dir)]
             log_path = out / f"agent-{i}.log"
             with open(log_path, "wb") as fh:
                 proc = await asyncio.create_subprocess_exec(
@@ -280,3 +273,13 @@ def agent_host(
         server_name=server_name,
         worker_init=lambda: torch.set_num_threads(threads),
     )
+
+
+def serve_devices(host: AgentHost, command: str) -> int:
+    """Run ``host`` until its devices are done; print each device that did not finish (``command`` names
+    the caller); exit status 0 if all finished, else 1."""
+    endings = asyncio.run(host.run())
+    failed = {d: e for d, e in endings.items() if e != "finished"}
+    for d, e in failed.items():
+        print(f"{command}: device {d}: {e}", file=sys.stderr)
+    return 1 if failed else 0

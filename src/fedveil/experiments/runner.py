@@ -385,7 +385,12 @@ def run_experiment(
         nonlocal metrics, roc, stopped
         if network is not None:
             ids = list(population.train_user_ids())
-            await network.start(trainer.runtime, ids, out, ["agent", "--config", str(out / "config.yaml")])
+            command = ["agent", "--config", str(out / "config.yaml")]
+            if uses_enclave(cfg):
+                from fedveil.experiments.network_run import PLATFORM_PUB
+
+                command += ["--platform-key", str(trainer.runtime.pki / PLATFORM_PUB)]
+            await network.start(trainer.runtime, ids, out, command)
         await trainer.server.register(trainer.runtime)
         trainer.runtime.stats().timings.clear()  # per-round device records start with round 1
         for rnd in lost:

@@ -60,7 +60,6 @@ class _Connection:
     """One accepted agent stream."""
 
     device: str
-    peer: str
     outbox: asyncio.Queue[bytes | None]
     last_seen: float
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -418,7 +417,7 @@ class NetworkRuntime:
             except FedveilError as exc:
                 await self._refuse_stream(context, peer, str(exc))
                 return
-        conn = _Connection(device, peer, asyncio.Queue(), time.monotonic())
+        conn = _Connection(device, asyncio.Queue(), time.monotonic())
         old = self._conns.get(device)
         if old is not None:
             log.info("device %s reconnected from %s; closing its older stream", device, peer)
