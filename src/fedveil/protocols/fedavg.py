@@ -1,34 +1,608 @@
-"""FL-traditional: FedAvg with a softmax head, FDML's baseline (Sec. VIII-B1 of 000_5f3e2740eb021610.txt).
+"""The one FedAvg engine (McMahan et al. 2017), its hooks, and the systems built on it.
 
-"We replace the DML loss with the cross-entropy loss, and the last layer of the original embedding
-network is connected with a fully connected layer whose output has as many dimensions as the number
-of participants. The participant of FL-traditional will only perform one training iteration in each
-training round. The other settings ... are the same as our FDML research platform." So each round
-selects a phone model and ``clients_per_round`` of its devices (as FDML does), each device takes
-``local_steps`` SGD steps on ``samples_per_client`` freshly sampled training samples labelled with
-its own class, and the server averages the returned models weighted by sample counts (FedAvg,
-McMahan et al. 2017). Evaluation uses the embedding network only (the head is dropped).
+**The engine.** :class:`FedAvgEngine` is the server's round loop shared by every FedAvg-style protocol in
+fedveil: select a cohort, send each selected client its request, gather the replies through the
+:class:`~fedveil.core.communicator.Communicator` (late, missing or invalid replies are dropouts), aggregate
+and apply. On the client side :mod:`fedveil.protocols.local` holds the one local-training loop
+(SGD with momentum, Adam; one client or a ``vmap``-batched cohort). The twists of the systems are hooks,
+plain functions in the style of Flower's strategies (wrap them, do not fork the loop):
+
+- ``select(rnd, rng) -> cohort``: uniform without replacement (:func:`select_uniform`; FedUV Alg. 1), or by
+  group (FDML's phone model; FL-traditional);
+- ``configure(rnd, cohort, weights) -> {client: request}``: what each client receives (FedAwS sends each
+  user only its own class embedding);
+- ``aggregate(rnd, results, current) -> new``: the server's combination of the uploads, sample-weighted
+  FedAvg by default (:func:`fedavg_aggregate`), or in an enclave, or followed by FedAwS' spreadout;
+- ``server_lr``: PoliFL Eq. 1, ``G_{t+1} = G_t + eta * (avg_i L_i - G_t)`` (with sample weights; the
+  paper's unweighted ``eta / n`` sum is the case of equal sample counts); ``1`` is plain FedAvg;
+- on the client (:class:`ModelClients`): a :class:`ParameterPlan` of which parameters are shared (the rest
+  stay on the device: AIoT's private projector) and which train (PPFL's frozen layers), and an update
+  transform applied before upload (:class:`ClipAndNoise`, PoliFL Alg. 3).
+
+**Image FedAvg** (:class:`ModelServer`, :class:`ModelClients`): any ``torch.nn.Module`` classifier on any
+:class:`~fedveil.data.federated.FederatedDataset` whose users hold ``x`` and ``y`` arrays, with the global
+model evaluated on a test split every ``eval_every`` rounds (:func:`evaluate_model`).
+
+**FL-traditional**, FDML's baseline (Sec. VIII-B1 of 000_5f3e2740eb021610.txt), runs on the same engine:
+"We replace the DML loss with the cross-entropy loss, and the last layer of the original embedding network
+is connected with a fully connected layer whose output has as many dimensions as the number of
+participants. The participant of FL-traditional will only perform one training iteration in each training
+round." Each round selects a phone model and ``clients_per_round`` of its devices (as FDML does); each
+device takes ``local_steps`` SGD steps on ``samples_per_client`` freshly sampled training samples labelled
+with its own class; the server averages the returned models weighted by sample counts. Evaluation uses the
+embedding network only (the head is dropped).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.func import grad, vmap
 
 from fedveil.core.aggregation import weighted_average
 from fedveil.core.communicator import ClientId, Communicator
+from fedveil.data.federated import FederatedDataset
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import ClientData, RoundReport, as_tensor, client_rng, expect, fill_traffic
 from fedveil.protocols.common import select_group_cohort as select_cohort
-from fedveil.protocols.messages import Register, RegistrationCall, TrainReply, TrainRequest
+from fedveil.protocols.local import LocalOptimizer, local_train, local_train_cohort
+from fedveil.protocols.messages import (
+    FitReply,
+    FitRequest,
+    Register,
+    RegistrationCall,
+    TrainReply,
+    TrainRequest,
+)
 from fedveil.protocols.registration import register_clients
 from fedveil.protocols.settings import FedAvgConfig
+
+__all__ = [
+    "ClipAndNoise",
+    "EmbeddingClassifier",
+    "FedAvgClients",
+    "FedAvgConfig",
+    "FedAvgEngine",
+    "FedAvgServer",
+    "FitResult",
+    "ImageFedAvgConfig",
+    "ModelClients",
+    "ModelServer",
+    "ParameterPlan",
+    "evaluate_model",
+    "fedavg_aggregate",
+    "select_uniform",
+]
+
+
+# --- hooks --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """One client's upload as the aggregation hook sees it (decoded and validated)."""
+
+    weights: np.ndarray
+    num_samples: int
+    loss: float | None = None
+
+
+Select = Callable[[int, np.random.Generator], list[ClientId]]
+Configure = Callable[[int, Sequence[ClientId], np.ndarray], dict[ClientId, object]]
+Aggregate = Callable[[int, Mapping[ClientId, FitResult], np.ndarray], np.ndarray]
+ReplyCheck = Callable[[ClientId, Any], None]
+
+
+def fedavg_aggregate(rnd: int, results: Mapping[ClientId, FitResult], current: np.ndarray) -> np.ndarray:
+    """FedAvg (McMahan et al. 2017, Alg. 1): ``sum_k (n_k / n) w_k`` over the uploads."""
+    return weighted_average(
+        {c: r.weights for c, r in results.items()}, {c: float(r.num_samples) for c, r in results.items()}
+    )
+
+
+def select_uniform(members: Sequence[ClientId], size: int, rng: np.random.Generator) -> list[ClientId]:
+    """``size`` of ``members`` uniformly without replacement (all of them when fewer), in member order."""
+    if not members:
+        raise ConfigError("no clients to select from: register or list the clients before training")
+    take = min(size, len(members))
+    picked = rng.choice(len(members), size=take, replace=False)
+    return [members[i] for i in sorted(picked)]
+
+
+# --- the engine ---------------------------------------------------------------------------------------
+
+
+class FedAvgEngine:
+    """The server's FedAvg round loop over a :class:`Communicator` (module docstring).
+
+    ``weights`` is the vector the server keeps (flat float32). ``upload_index`` (default: all of it) says
+    which of its entries the clients upload and the aggregation replaces: PPFL's server aggregates only
+    the layer in training. Replies must be of ``reply_type`` and carry ``round``, ``num_samples`` (>= 1)
+    and ``weights`` (the uploaded entries), and may carry ``loss``; ``check`` adds a protocol's own
+    validation. A round with fewer than ``min_replies`` valid replies leaves the model unchanged.
+    """
+
+    def __init__(
+        self,
+        weights: np.ndarray,
+        rng: np.random.Generator,
+        *,
+        select: Select,
+        configure: Configure,
+        reply_type: type,
+        aggregate: Aggregate = fedavg_aggregate,
+        upload_index: np.ndarray | None = None,
+        server_lr: float = 1.0,
+        timeout: float = 60.0,
+        min_replies: int = 1,
+        check: ReplyCheck | None = None,
+        phase: str = "train",
+    ) -> None:
+        if not (math.isfinite(server_lr) and server_lr > 0):
+            raise ConfigError(f"server_lr {server_lr!r} must be a finite number > 0 (1 is plain FedAvg)")
+        if min_replies < 1:
+            raise ConfigError(f"min_replies {min_replies!r} must be >= 1")
+        if not timeout > 0:
+            raise ConfigError(f"timeout {timeout!r} must be > 0 seconds")
+        self.current = np.array(weights, dtype=np.float32)
+        if self.current.ndim != 1:
+            raise ConfigError(f"weights must be a flat vector, got shape {self.current.shape}")
+        self.rng = rng
+        self.select = select
+        self.configure = configure
+        self.reply_type = reply_type
+        self.aggregate = aggregate
+        self.upload_index = None if upload_index is None else np.asarray(upload_index, dtype=np.int64)
+        self.server_lr = server_lr
+        self.timeout = timeout
+        self.min_replies = min_replies
+        self.check = check
+        self.phase = phase
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The server's current vector (a copy)."""
+        return self.current.copy()
+
+    def _uploaded(self) -> np.ndarray:
+        return self.current if self.upload_index is None else self.current[self.upload_index]
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The weights and the selection generator's state, for a resumed run."""
+        return {"weights": self.weights}, {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (shape checked)."""
+        weights = np.array(arrays["weights"], dtype=np.float32)
+        if weights.shape != self.current.shape:
+            raise ConfigError(f"checkpoint weights of shape {weights.shape}, model has {self.current.shape}")
+        self.current = weights
+        self.rng.bit_generator.state = dict(meta["rng"])
+
+    async def run_round(self, rnd: int, comm: Communicator) -> RoundReport:
+        """Select, request local training, validate, aggregate, apply (with ``server_lr``)."""
+        before = comm.stats().copy()
+        cohort = self.select(rnd, self.rng)
+        msgs = self.configure(rnd, cohort, self.current)
+        shape = self._uploaded().shape
+
+        def check(cid: ClientId, msg: Any) -> None:
+            expect(msg.round == rnd, f"reply for round {msg.round}, expected {rnd}")
+            expect(msg.weights.shape == shape, f"weights of shape {msg.weights.shape}, expected {shape}")
+            expect(msg.num_samples >= 1, f"num_samples {msg.num_samples} must be >= 1")
+            if self.check is not None:
+                self.check(cid, msg)
+
+        replies = await comm.request(
+            msgs,
+            phase=self.phase,
+            min_replies=len(msgs),
+            timeout=self.timeout,
+            expected=self.reply_type,
+            validate=check,
+        )
+        applied = len(replies) >= self.min_replies
+        loss = None
+        if applied:
+            results = {
+                c: FitResult(np.asarray(m.weights), int(m.num_samples), getattr(m, "loss", None))
+                for c, m in replies.items()
+            }
+            current = self._uploaded()
+            new = np.asarray(self.aggregate(rnd, results, current), dtype=np.float32)
+            if self.server_lr != 1.0:
+                new = (current + self.server_lr * (new - current)).astype(np.float32)
+            if self.upload_index is None:
+                self.current = new
+            else:
+                self.current = self.current.copy()
+                self.current[self.upload_index] = new
+            losses = [(r.loss, r.num_samples) for r in results.values() if r.loss is not None]
+            if losses:
+                loss = sum(v * n for v, n in losses) / sum(n for _, n in losses)
+        report = RoundReport(rnd, applied, loss, 1, len(msgs), len(replies))
+        return fill_traffic(report, before, comm.stats())
+
+
+# --- which parameters travel and train ------------------------------------------------------------------
+
+
+def _matcher(spec: Iterable[str] | Callable[[str], bool] | None) -> Callable[[str], bool]:
+    if spec is None:
+        return lambda name: False
+    if callable(spec):
+        return spec
+    prefixes = tuple(spec)
+    return lambda name: any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+class ParameterPlan:
+    """Which parameters of a model are shared with the server and which train (flat-vector indices).
+
+    ``private`` parameters never leave the device: the server neither sends nor receives them (AIoT's
+    private projector). ``frozen`` parameters are sent but not trained, and so not uploaded (PPFL's layers
+    released to the REE). Each may be a list of parameter names or module prefixes (``"head"`` covers
+    ``"head.weight"`` and ``"head.bias"``) or a predicate on the name. The upload is the shared, trainable
+    parameters; a plan in which nothing would be uploaded is refused.
+    """
+
+    def __init__(
+        self,
+        flat: FlatModel,
+        *,
+        private: Iterable[str] | Callable[[str], bool] | None = None,
+        frozen: Iterable[str] | Callable[[str], bool] | None = None,
+    ) -> None:
+        is_private, is_frozen = _matcher(private), _matcher(frozen)
+        for spec in (private, frozen):
+            if spec is not None and not callable(spec):
+                for prefix in spec:
+                    if not any(n == prefix or n.startswith(prefix + ".") for n in flat.names):
+                        raise ConfigError(
+                            f"parameter or module {prefix!r} is not in the model; it has {flat.names[:6]}..."
+                        )
+        offsets = np.cumsum([0, *flat.sizes])
+        shared, upload, trainable = [], [], np.zeros(flat.num_params, dtype=np.float32)
+        self.private_names = [n for n in flat.names if is_private(n)]
+        self.frozen_names = [n for n in flat.names if is_frozen(n)]
+        for i, name in enumerate(flat.names):
+            span = np.arange(offsets[i], offsets[i + 1], dtype=np.int64)
+            if not is_frozen(name):
+                trainable[span] = 1.0
+            if not is_private(name):
+                shared.append(span)
+                if not is_frozen(name):
+                    upload.append(span)
+        if not upload:
+            raise ConfigError("the parameter plan uploads nothing: every parameter is private or frozen")
+        self.num_params = flat.num_params
+        self.shared_index = np.concatenate(shared)
+        self.upload_index = np.concatenate(upload)
+        self.private_index = np.setdiff1d(np.arange(flat.num_params), self.shared_index)
+        self.upload_in_shared = np.searchsorted(self.shared_index, self.upload_index)
+        self.train_mask = None if trainable.all() else torch.from_numpy(trainable)
+
+    @property
+    def everything_shared(self) -> bool:
+        """True when no parameter is private."""
+        return self.private_index.size == 0
+
+
+# --- client-side update transform ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClipAndNoise:
+    """PoliFL Alg. 3, ``train_local_dp``: ``Clip(L, S) + N(0, sigma^2) / m`` applied to the local update.
+
+    The update ``Delta = L - G`` (trained minus received, uploaded entries only) is scaled to L2 norm at
+    most ``clip_norm`` ``S``; Gaussian noise of standard deviation ``noise_std / cohort_size``
+    (``sigma / m``) is added to each coordinate, drawn from the client's own seeded generator. With
+    ``noise_std = z S`` the sum over the ``m`` clients of a round is the Gaussian mechanism with
+    L2 sensitivity ``S`` (neighbouring relation: one client's whole update added or removed) and noise
+    multiplier ``z / sqrt(m)`` on the mean; accounting is the caller's (:mod:`fedveil.privacy`).
+    """
+
+    clip_norm: float
+    noise_std: float
+    cohort_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise ConfigError(f"clip_norm {self.clip_norm!r} must be a finite number > 0")
+        if not (math.isfinite(self.noise_std) and self.noise_std >= 0):
+            raise ConfigError(f"noise_std {self.noise_std!r} must be a finite number >= 0")
+        if self.cohort_size < 1:
+            raise ConfigError(f"cohort_size {self.cohort_size!r} must be >= 1")
+
+    def __call__(self, delta: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+        """The clipped, noised update."""
+        norm = float(torch.linalg.vector_norm(delta))
+        clipped = delta * min(1.0, self.clip_norm / norm) if norm > 0 else delta
+        if self.noise_std == 0:
+            return clipped
+        noise = rng.normal(0.0, self.noise_std / self.cohort_size, size=delta.shape).astype(np.float32)
+        return clipped + torch.from_numpy(noise)
+
+
+UpdateTransform = Callable[[torch.Tensor, np.random.Generator], torch.Tensor]
+
+
+# --- image FedAvg: any module, any federated dataset ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageFedAvgConfig:
+    """Settings of image FedAvg: ``clients_per_round`` (or all when larger than the population), local
+    ``local_epochs`` and ``batch_size``, the client ``optimizer``, ``server_lr`` (PoliFL Eq. 1's ``eta``),
+    the simulated ``timeout``, ``min_replies`` and ``eval_every`` rounds (0: never)."""
+
+    clients_per_round: int = 10
+    local_epochs: int = 1
+    batch_size: int = 16
+    optimizer: LocalOptimizer = field(default_factory=LocalOptimizer)
+    server_lr: float = 1.0
+    timeout: float = 60.0
+    min_replies: int = 1
+    eval_every: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("clients_per_round", "local_epochs", "batch_size", "min_replies"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} {value!r} must be an integer >= 1")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"eval_every {self.eval_every!r} must be an integer >= 0")
+
+
+def evaluate_model(
+    model: nn.Module, x: np.ndarray, y: np.ndarray, *, batch_size: int = 1000
+) -> dict[str, float]:
+    """Accuracy and mean cross-entropy of ``model`` (eval mode, no gradients) on ``x`` with labels ``y``."""
+    if len(x) != len(y) or len(x) == 0:
+        raise ValidationError(f"evaluation needs matching non-empty inputs and labels: {len(x)}, {len(y)}")
+    was_training = model.training
+    model.eval()
+    correct, total_loss = 0, 0.0
+    with torch.no_grad():
+        for s in range(0, len(x), batch_size):
+            xb = torch.from_numpy(np.ascontiguousarray(x[s : s + batch_size], dtype=np.float32))
+            yb = torch.from_numpy(np.asarray(y[s : s + batch_size], dtype=np.int64))
+            logits = model(xb)
+            total_loss += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == yb).sum())
+    model.train(was_training)
+    return {"accuracy": correct / len(x), "loss": total_loss / len(x)}
+
+
+class ModelServer:
+    """The image FedAvg server: :class:`FedAvgEngine` with uniform selection and :class:`FitRequest`.
+
+    ``initial`` is the model's full flat vector; the server keeps only its shared part (``plan``).
+    :meth:`evaluate` loads the shared part (and ``initial``'s values of private parameters, which the
+    server never learns) into ``model`` and scores it on a test split.
+    """
+
+    def __init__(
+        self,
+        cfg: ImageFedAvgConfig,
+        flat: FlatModel,
+        rng: np.random.Generator,
+        *,
+        plan: ParameterPlan | None = None,
+        initial: np.ndarray | None = None,
+        aggregate: Aggregate = fedavg_aggregate,
+    ) -> None:
+        self.cfg = cfg
+        self.flat = flat
+        self.plan = plan or ParameterPlan(flat)
+        full = flat.initial() if initial is None else np.asarray(initial, dtype=np.float32)
+        if full.shape != (flat.num_params,):
+            raise ConfigError(f"initial weights of shape {full.shape}, expected ({flat.num_params},)")
+        self._full = full.copy()
+        self.members: list[ClientId] = []
+        self.engine = FedAvgEngine(
+            full[self.plan.shared_index],
+            rng,
+            select=lambda rnd, r: select_uniform(self.members, cfg.clients_per_round, r),
+            configure=self._configure,
+            reply_type=FitReply,
+            aggregate=aggregate,
+            upload_index=None if self.plan.frozen_names == [] else self.plan.upload_in_shared,
+            server_lr=cfg.server_lr,
+            timeout=cfg.timeout,
+            min_replies=cfg.min_replies,
+        )
+
+    def _configure(self, rnd: int, cohort: Sequence[ClientId], weights: np.ndarray) -> dict[ClientId, object]:
+        cfg = self.cfg
+        request = FitRequest(rnd, cfg.optimizer.lr_at(rnd), cfg.local_epochs, cfg.batch_size, weights)
+        return {c: request for c in cohort}
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The shared parameters (flat, a copy)."""
+        return self.engine.weights
+
+    def full_weights(self) -> np.ndarray:
+        """The whole model as the server can assemble it: shared parameters, private ones at ``initial``."""
+        full = self._full.copy()
+        full[self.plan.shared_index] = self.engine.current
+        return full
+
+    def setup(self, comm: Communicator) -> list[ClientId]:
+        """Take every available client as a member (FedAvg's population ``K``)."""
+        self.members = list(comm.available())
+        if not self.members:
+            raise ConfigError("no clients are available; nothing to train")
+        return self.members
+
+    async def run_round(self, rnd: int, comm: Communicator) -> RoundReport:
+        """One FedAvg round; ``report.extra["lr"]`` is the round's client learning rate."""
+        report = await self.engine.run_round(rnd, comm)
+        report.extra["lr"] = self.cfg.optimizer.lr_at(rnd)
+        return report
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """Accuracy and loss of the global model on a test split (:func:`evaluate_model`)."""
+        return evaluate_model(self.flat.load_into_module(self.full_weights()), x, y)
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The engine's state, for a resumed run."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.engine.load_state_dict(arrays, meta)
+
+
+class ModelClients:
+    """The devices of image FedAvg: each trains the model on its own ``x``/``y`` (a ``ClientPool``).
+
+    Each :class:`FitRequest` runs ``local_epochs`` passes over the client's examples, reshuffled every
+    epoch by its own generator (``client_rng(seed, i)``), in batches of ``batch_size`` (the last one may be
+    smaller), with ``optimizer`` on ``loss`` (cross-entropy by default). Private parameters (``plan``) are
+    the client's own, initialised from ``initial`` and kept across rounds; frozen ones do not change.
+    ``transform`` (e.g. :class:`ClipAndNoise`) is applied to the update before upload.
+
+    ``batched=True`` trains the clients of a request whose data sizes agree together (one ``vmap``);
+    ``batched=False`` one by one; both give equal numbers (``tests/test_protocols_fedavg_engine.py``).
+    Models with BatchNorm are trained and evaluated with batch statistics (running statistics are not
+    federated here: :func:`torch.func.replace_all_batch_norm_modules_` is applied); models with dropout
+    draw different masks on the two paths.
+    """
+
+    def __init__(
+        self,
+        flat: FlatModel,
+        data: FederatedDataset,
+        *,
+        optimizer: LocalOptimizer,
+        seed: int,
+        plan: ParameterPlan | None = None,
+        initial: np.ndarray | None = None,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
+        transform: UpdateTransform | None = None,
+        batched: bool = True,
+        x_key: str = "x",
+        y_key: str = "y",
+    ) -> None:
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in flat.module.modules()):
+            torch.func.replace_all_batch_norm_modules_(flat.module)
+        self.flat = flat
+        self.data = data
+        self.optimizer = optimizer
+        self.plan = plan or ParameterPlan(flat)
+        self.loss_fn = loss
+        self.transform = transform
+        self.batched = batched
+        self.x_key, self.y_key = x_key, y_key
+        self.ids = list(data.user_ids)
+        self.rngs = {cid: client_rng(seed, i) for i, cid in enumerate(self.ids)}
+        full = flat.initial() if initial is None else np.asarray(initial, dtype=np.float32)
+        self._private = {cid: full[self.plan.private_index].copy() for cid in self.ids}
+
+    def client_ids(self) -> list[ClientId]:
+        """Every client of the data set."""
+        return self.ids
+
+    def private_weights(self, cid: ClientId) -> np.ndarray:
+        """Client ``cid``'s private parameters (a copy; for that client's own evaluation and spy tests)."""
+        return self._private[cid].copy()
+
+    def handle_batch(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
+        """Local training for every addressed client."""
+        out: dict[ClientId, object] = {}
+        fit: dict[ClientId, FitRequest] = {}
+        for cid, m in msgs.items():
+            if isinstance(m, FitRequest):
+                fit[cid] = m
+            else:
+                out[cid] = ValidationError(f"a FedAvg client cannot handle {type(m).__name__}")
+        if fit:
+            out.update(self._fit(fit))
+        return out
+
+    def _objective(self, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.flat(p, x), y)
+
+    def _full(self, cid: ClientId, shared: torch.Tensor) -> torch.Tensor:
+        if self.plan.everything_shared:
+            return shared.clone()
+        p = torch.empty(self.plan.num_params, dtype=torch.float32)
+        p[torch.from_numpy(self.plan.shared_index)] = shared
+        p[torch.from_numpy(self.plan.private_index)] = torch.from_numpy(self._private[cid])
+        return p
+
+    def _batches(self, cid: ClientId, m: FitRequest) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        x = self.data.array(cid, self.x_key)
+        y = self.data.array(cid, self.y_key)
+        if len(x) == 0 or len(x) != len(y):
+            raise ValidationError(f"client {cid} has {len(x)} inputs and {len(y)} labels; needs >= 1 of each")
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        yt = torch.from_numpy(np.asarray(y, dtype=np.int64))
+        batches = []
+        for _ in range(m.local_epochs):
+            order = torch.from_numpy(self.rngs[cid].permutation(len(xt)))
+            for s in range(0, len(xt), m.batch_size):
+                idx = order[s : s + m.batch_size]
+                batches.append((xt[idx], yt[idx]))
+        return len(xt), batches
+
+    def _fit(self, msgs: Mapping[ClientId, FitRequest]) -> dict[ClientId, object]:
+        expected = (self.plan.shared_index.size,)
+        jobs = {}
+        for cid, m in msgs.items():
+            if m.weights.shape != expected:
+                jobs[cid] = ValidationError(f"weights of shape {m.weights.shape}, expected {expected}")
+                continue
+            n, batches = self._batches(cid, m)
+            jobs[cid] = (m, n, self._full(cid, as_tensor(m.weights)), batches)
+        trained: dict[ClientId, tuple[torch.Tensor, float]] = {}
+        runnable = {c: j for c, j in jobs.items() if not isinstance(j, Exception)}
+        mask = self.plan.train_mask
+        self.flat.module.train()
+        if self.batched:
+            groups: dict[tuple[int, int, int, float], list[ClientId]] = {}
+            for cid, (m, n, _, _) in runnable.items():
+                groups.setdefault((n, m.local_epochs, m.batch_size, m.lr), []).append(cid)
+            for (_, _, _, lr), group in groups.items():
+                p = torch.stack([runnable[c][2] for c in group])
+                steps = len(runnable[group[0]][3])
+                batches = [
+                    tuple(torch.stack([runnable[c][3][s][k] for c in group]) for k in range(2))
+                    for s in range(steps)
+                ]
+                p, losses = local_train_cohort(self._objective, p, batches, self.optimizer, lr, mask)
+                trained.update({c: (p[i], float(losses[i])) for i, c in enumerate(group)})
+        else:
+            for cid, (m, _, p0, batches) in runnable.items():
+                p, loss = local_train(self._objective, p0, batches, self.optimizer, m.lr, mask)
+                trained[cid] = (p, float(loss))
+        out: dict[ClientId, object] = {}
+        for cid, job in jobs.items():
+            if isinstance(job, Exception):
+                out[cid] = job
+                continue
+            m, n, p0, _ = job
+            p, loss = trained[cid]
+            if not self.plan.everything_shared:
+                self._private[cid] = p.detach()[torch.from_numpy(self.plan.private_index)].numpy().copy()
+            up = torch.from_numpy(self.plan.upload_index)
+            sent, new = p0[up], p.detach()[up]
+            if self.transform is not None:
+                new = sent + self.transform(new - sent, self.rngs[cid])
+            out[cid] = FitReply(m.round, n, loss, new.numpy().astype(np.float32))
+        return out
+
+
+# --- FL-traditional (FDML's baseline) -----------------------------------------------------------------
 
 
 class EmbeddingClassifier(nn.Module):
@@ -45,30 +619,51 @@ class EmbeddingClassifier(nn.Module):
 
 
 class FedAvgServer:
-    """The server of FL-traditional: selection as FDML, FedAvg of the returned models."""
+    """The server of FL-traditional: selection as FDML, FedAvg of the returned models (on the engine)."""
 
     def __init__(self, cfg: FedAvgConfig, initial_weights: np.ndarray, rng: np.random.Generator) -> None:
         self.cfg = cfg
-        self.rng = rng
-        self._weights = np.array(initial_weights, dtype=np.float32)
         self.groups: dict[str, list[ClientId]] = {}
+
+        def check(cid: ClientId, msg: TrainReply) -> None:
+            expect(
+                msg.num_samples == cfg.samples_per_client,
+                f"num_samples {msg.num_samples}, expected {cfg.samples_per_client}",
+            )
+
+        self.engine = FedAvgEngine(
+            initial_weights,
+            rng,
+            select=lambda rnd, r: select_cohort(self.groups, cfg.clients_per_round, r)[1],
+            configure=self._configure,
+            reply_type=TrainReply,
+            timeout=cfg.timeout,
+            min_replies=cfg.min_replies,
+            check=check,
+        )
+
+    def _configure(self, rnd: int, cohort: Sequence[ClientId], weights: np.ndarray) -> dict[ClientId, object]:
+        cfg = self.cfg
+        request = TrainRequest(rnd, cfg.lr, cfg.samples_per_client, cfg.local_steps, weights)
+        return {c: request for c in cohort}
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The selection generator."""
+        return self.engine.rng
 
     @property
     def weights(self) -> np.ndarray:
         """The global model's flat parameters (embedding network first, then the head)."""
-        return self._weights.copy()
+        return self.engine.weights
 
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The global weights and the selection generator's state, for a resumed run."""
-        return {"weights": self.weights}, {"rng": self.rng.bit_generator.state}
+        return self.engine.state_dict()
 
     def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (shape checked)."""
-        weights = np.array(arrays["weights"], dtype=np.float32)
-        if weights.shape != self._weights.shape:
-            raise ConfigError(f"checkpoint weights of shape {weights.shape}, model has {self._weights.shape}")
-        self._weights = weights
-        self.rng.bit_generator.state = dict(meta["rng"])
+        self.engine.load_state_dict(arrays, meta)
 
     async def register(self, comm: Communicator, *, group_by: str = "phone_model") -> None:
         """Registration, as FDML's step 1."""
@@ -76,45 +671,15 @@ class FedAvgServer:
 
     async def run_round(self, rnd: int, comm: Communicator) -> RoundReport:
         """Select, train locally, average."""
-        cfg = self.cfg
-        before = comm.stats().copy()
-        _, cohort = select_cohort(self.groups, cfg.clients_per_round, self.rng)
-        request = TrainRequest(rnd, cfg.lr, cfg.samples_per_client, cfg.local_steps, self._weights)
-
-        def check(cid: ClientId, msg: TrainReply) -> None:
-            expect(msg.round == rnd, f"reply for round {msg.round}, expected {rnd}")
-            expect(
-                msg.weights.shape == self._weights.shape,
-                f"weights of shape {msg.weights.shape}, expected {self._weights.shape}",
-            )
-            expect(
-                msg.num_samples == cfg.samples_per_client,
-                f"num_samples {msg.num_samples}, expected {cfg.samples_per_client}",
-            )
-
-        replies = await comm.request(
-            {c: request for c in cohort},
-            phase="train",
-            min_replies=len(cohort),
-            timeout=cfg.timeout,
-            expected=TrainReply,
-            validate=check,
-        )
-        applied = len(replies) >= cfg.min_replies
-        if applied:
-            self._weights = weighted_average(
-                {c: m.weights for c, m in replies.items()},
-                {c: float(m.num_samples) for c, m in replies.items()},
-            )
-        report = RoundReport(rnd, applied, None, 1, len(cohort), len(replies))
-        return fill_traffic(report, before, comm.stats())
+        return await self.engine.run_round(rnd, comm)
 
 
 class FedAvgClients:
     """Devices of FL-traditional: ``local_steps`` of SGD on cross-entropy with their own class label.
 
-    ``batched=True`` computes all addressed devices' local updates together (``vmap`` over devices);
-    ``batched=False`` one by one; both give equal numbers (``tests/test_protocols_fedavg.py``).
+    Local training is the engine's (:func:`~fedveil.protocols.local.local_train`, or
+    :func:`~fedveil.protocols.local.local_train_cohort` when ``batched``: all addressed devices together);
+    both paths give equal numbers (``tests/test_protocols_fedavg.py``).
     """
 
     def __init__(
@@ -173,18 +738,15 @@ class FedAvgClients:
             groups: dict[tuple[int, int, float, int], list[ClientId]] = {}
             for cid, m in msgs.items():
                 groups.setdefault((id(m.weights), m.num_samples, m.lr, m.local_steps), []).append(cid)
-            step = vmap(grad(self._loss), in_dims=(0, 0, 0))
             for (wid, _, lr, steps), group in groups.items():
-                xs = torch.stack([data[c][0] for c in group])
-                ys = torch.stack([data[c][1] for c in group])
+                batch = (torch.stack([data[c][0] for c in group]), torch.stack([data[c][1] for c in group]))
                 p = weights[wid].expand(len(group), -1).clone()
-                for _ in range(steps):
-                    p = p - lr * step(p, xs, ys)
-                new.update({c: p[i].numpy() for i, c in enumerate(group)})
+                p, _ = local_train_cohort(self._loss, p, [batch] * steps, LocalOptimizer(lr=lr), lr)
+                new.update({c: p[i].detach().numpy() for i, c in enumerate(group)})
         else:
             for cid, m in msgs.items():
-                p = weights[id(m.weights)].clone()
-                for _ in range(m.local_steps):
-                    p = p - m.lr * grad(self._loss)(p, *data[cid])
-                new[cid] = p.numpy()
+                p0 = weights[id(m.weights)].clone()
+                opt = LocalOptimizer(lr=m.lr)
+                p, _ = local_train(self._loss, p0, [data[cid]] * m.local_steps, opt, m.lr)
+                new[cid] = p.detach().numpy()
         return {cid: TrainReply(m.round, m.num_samples, new[cid]) for cid, m in msgs.items()}

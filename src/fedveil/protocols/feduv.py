@@ -53,10 +53,9 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call
 from torch.nn import functional as F
 
-from fedveil.core.aggregation import weighted_average
 from fedveil.core.communicator import ClientId, Communicator
 from fedveil.data.federated import FederatedDataset
 from fedveil.errors import ConfigError, ValidationError
@@ -73,6 +72,7 @@ from fedveil.privacy.codewords import (
     validate_base_vectors,
 )
 from fedveil.protocols.common import RoundReport, client_rng, expect, fill_traffic
+from fedveil.protocols.fedavg import FedAvgEngine, FitResult, fedavg_aggregate, select_uniform
 from fedveil.protocols.feduv_messages import (
     BaseVector,
     ClassAssignment,
@@ -85,6 +85,7 @@ from fedveil.protocols.feduv_messages import (
     UvTrainReply,
     UvTrainRequest,
 )
+from fedveil.protocols.local import LocalOptimizer, local_train, local_train_cohort
 
 __all__ = [
     "DEFAULT_TARGET_TPR",
@@ -544,31 +545,24 @@ class UvClients:
                 groups.setdefault(
                     (len(x), m.local_epochs, m.batch_size, m.lr, tuple(x.shape[1:])), []
                 ).append(cid)
-            step = vmap(grad_and_value(self._loss))
             for (n, epochs, bsz, lr, _), group in groups.items():
                 p = torch.stack([_tensor(jobs[c][0].weights) for c in group])
                 targets = torch.stack([jobs[c][2] for c in group])
-                losses = []
+                batches = []
                 for e in range(epochs):
                     xs = torch.stack([jobs[c][1][jobs[c][3][e]] for c in group])
-                    for s in range(0, n, bsz):
-                        grads, loss = step(p, xs[:, s : s + bsz], targets)
-                        p = p - lr * grads
-                        losses.append(loss)
-                mean_loss = torch.stack(losses).mean(dim=0)
+                    batches.extend((xs[:, s : s + bsz], targets) for s in range(0, n, bsz))
+                p, mean_loss = local_train_cohort(self._loss, p, batches, LocalOptimizer(lr=lr), lr)
                 new.update({c: (p[i].numpy(), float(mean_loss[i])) for i, c in enumerate(group)})
         else:
-            one = grad_and_value(self._loss)
             for cid, (m, x, target, orders) in jobs.items():
-                p = _tensor(m.weights)
-                losses = []
-                for order in orders:
-                    xe = x[order]
-                    for s in range(0, len(x), m.batch_size):
-                        grads, loss = one(p, xe[s : s + m.batch_size], target)
-                        p = p - m.lr * grads
-                        losses.append(loss)
-                new[cid] = (p.numpy(), float(torch.stack(losses).mean()))
+                batches = [
+                    (x[order][s : s + m.batch_size], target)
+                    for order in orders
+                    for s in range(0, len(x), m.batch_size)
+                ]
+                p, loss = local_train(self._loss, _tensor(m.weights), batches, LocalOptimizer(lr=m.lr), m.lr)
+                new[cid] = (p.numpy(), float(loss))
         return {
             cid: UvTrainReply(m.round, len(jobs[cid][1]), new[cid][1], new[cid][0])
             for cid, m in msgs.items()
@@ -666,19 +660,30 @@ class UvServer(ABC):
         self.cfg = cfg
         self.model = model
         self.rng = rng
-        weights = model.initial() if initial_weights is None else initial_weights
-        self._weights = np.array(weights, dtype=np.float32)
-        if self._weights.shape != (model.num_params,):
-            raise ConfigError(
-                f"initial weights of shape {self._weights.shape}, expected ({model.num_params},)"
-            )
+        weights = np.array(model.initial() if initial_weights is None else initial_weights, dtype=np.float32)
+        if weights.shape != (model.num_params,):
+            raise ConfigError(f"initial weights of shape {weights.shape}, expected ({model.num_params},)")
         self.members: list[ClientId] = []
         self.deployed: list[ClientId] = []
+        self.engine = FedAvgEngine(
+            weights,
+            rng,
+            select=lambda rnd, r: self.select(),
+            configure=self._configure,
+            reply_type=UvTrainReply,
+            aggregate=lambda rnd, results, current: self.aggregate(results, cfg.lr_at(rnd)),
+            timeout=cfg.timeout,
+            min_replies=cfg.min_replies,
+        )
+
+    @property
+    def _weights(self) -> np.ndarray:
+        return self.engine.current
 
     @property
     def weights(self) -> np.ndarray:
         """The global model, flat float32 (a copy)."""
-        return self._weights.copy()
+        return self.engine.weights
 
     @abstractmethod
     async def setup(self, comm: Communicator) -> RoundReport:
@@ -692,50 +697,24 @@ class UvServer(ABC):
         """Alg. 1: ``kappa`` members uniformly without replacement."""
         if not self.members:
             raise ConfigError("no members: run setup() before training")
-        take = self.cfg.cohort_size(len(self.members))
-        picked = self.rng.choice(len(self.members), size=take, replace=False)
-        return [self.members[i] for i in sorted(picked)]
+        return select_uniform(self.members, self.cfg.cohort_size(len(self.members)), self.rng)
 
     async def run_round(self, rnd: int, comm: Communicator) -> RoundReport:
-        """One Alg. 1 round: select, UserUpdate on each selected user, aggregate."""
-        cfg = self.cfg
-        before = comm.stats().copy()
-        cohort = self.select()
-        lr = cfg.lr_at(rnd)
-        shared = self._weights
-        msgs = {
+        """One Alg. 1 round on the FedAvg engine: select, UserUpdate on each selected user, aggregate."""
+        report = await self.engine.run_round(rnd, comm)
+        report.extra["lr"] = self.cfg.lr_at(rnd)
+        return report
+
+    def _configure(self, rnd: int, cohort: Sequence[ClientId], shared: np.ndarray) -> dict[ClientId, object]:
+        cfg, lr = self.cfg, self.cfg.lr_at(rnd)
+        return {
             c: UvTrainRequest(rnd, lr, cfg.local_epochs, cfg.batch_size, self._weights_for(c, shared))
             for c in cohort
         }
-        shape = self._weights.shape
 
-        def check(cid: ClientId, msg: UvTrainReply) -> None:
-            expect(msg.round == rnd, f"reply for round {msg.round}, expected {rnd}")
-            expect(msg.weights.shape == shape, f"weights of shape {msg.weights.shape}, expected {shape}")
-            expect(msg.num_samples >= 1, f"num_samples {msg.num_samples} must be >= 1")
-
-        replies = await comm.request(
-            msgs,
-            phase="train",
-            min_replies=len(cohort),
-            timeout=cfg.timeout,
-            expected=UvTrainReply,
-            validate=check,
-        )
-        applied = len(replies) >= cfg.min_replies
-        loss = None
-        if applied:
-            self._weights = self.aggregate(replies, lr)
-            total = sum(m.num_samples for m in replies.values())
-            loss = sum(m.loss * m.num_samples for m in replies.values()) / total
-        report = RoundReport(rnd, applied, loss, 1, len(cohort), len(replies), extra={"lr": lr})
-        return fill_traffic(report, before, comm.stats())
-
-    def aggregate(self, replies: Mapping[ClientId, UvTrainReply], lr: float) -> np.ndarray:
-        """Alg. 1: ``theta_t = sum_u n_u theta_t^u / sum_u n_u``."""
-        return weighted_average(
-            {c: m.weights for c, m in replies.items()}, {c: float(m.num_samples) for c, m in replies.items()}
-        )
+    def aggregate(self, replies: Mapping[ClientId, FitResult], lr: float) -> np.ndarray:
+        """Alg. 1: ``theta_t = sum_u n_u theta_t^u / sum_u n_u`` (the engine's :func:`fedavg_aggregate`)."""
+        return fedavg_aggregate(0, replies, self._weights)
 
     async def deploy(self, comm: Communicator, q: float = DEFAULT_TARGET_TPR) -> RoundReport:
         """Send the final model to every member; each runs its warm-up for target TPR ``q``."""
@@ -966,7 +945,7 @@ class FedAwSServer(_ClassServer):
         w[self.classes[cid]] = keep
         return own
 
-    def aggregate(self, replies: Mapping[ClientId, UvTrainReply], lr: float) -> np.ndarray:
+    def aggregate(self, replies: Mapping[ClientId, FitResult], lr: float) -> np.ndarray:
         """FedAvg of ``theta``; row ``w_u`` from user ``u``'s reply; then ``reg_sp`` steps on ``W``."""
         out = super().aggregate(replies, lr)
         w = self._embeddings(self._weights).copy()

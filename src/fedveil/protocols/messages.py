@@ -141,3 +141,28 @@ class TrainReply:
     round: int
     num_samples: int
     weights: np.ndarray = array_field(dtype="float32", ndim=1)
+
+
+@message("fedavg.fit_request")
+@dataclass(frozen=True)
+class FitRequest:
+    """The FedAvg engine's broadcast: the shared parameters, this round's learning rate, local epochs and
+    batch size (the optimizer itself is part of the experiment's configuration on both sides)."""
+
+    round: int
+    lr: float
+    local_epochs: int
+    batch_size: int
+    weights: np.ndarray = array_field(dtype="float32", ndim=1)
+
+
+@message("fedavg.fit_reply")
+@dataclass(frozen=True)
+class FitReply:
+    """The FedAvg engine's upload: the client's trained values of the uploaded parameters (shared and
+    trainable, after its update transform), its number of training samples and mean training loss."""
+
+    round: int
+    num_samples: int
+    loss: float
+    weights: np.ndarray = array_field(dtype="float32", ndim=1)
