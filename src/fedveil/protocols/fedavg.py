@@ -507,6 +507,7 @@ class ModelClients:
         self.rngs = {cid: client_rng(seed, i) for i, cid in enumerate(self.ids)}
         full = flat.initial() if initial is None else np.asarray(initial, dtype=np.float32)
         self._private = {cid: full[self.plan.private_index].copy() for cid in self.ids}
+        self._cache: dict[ClientId, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def client_ids(self) -> list[ClientId]:
         """Every client of the data set."""
@@ -540,13 +541,20 @@ class ModelClients:
         p[torch.from_numpy(self.plan.private_index)] = torch.from_numpy(self._private[cid])
         return p
 
+    def _tensors(self, cid: ClientId) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's examples as tensors, converted once (the data set's arrays are read-only)."""
+        if cid not in self._cache:
+            x = self.data.array(cid, self.x_key)
+            y = self.data.array(cid, self.y_key)
+            if len(x) == 0 or len(x) != len(y):
+                raise ValidationError(
+                    f"client {cid} has {len(x)} inputs and {len(y)} labels; needs >= 1 of each"
+                )
+            self._cache[cid] = (torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64))
+        return self._cache[cid]
+
     def _batches(self, cid: ClientId, m: FitRequest) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        x = self.data.array(cid, self.x_key)
-        y = self.data.array(cid, self.y_key)
-        if len(x) == 0 or len(x) != len(y):
-            raise ValidationError(f"client {cid} has {len(x)} inputs and {len(y)} labels; needs >= 1 of each")
-        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-        yt = torch.from_numpy(np.asarray(y, dtype=np.int64))
+        xt, yt = self._tensors(cid)
         batches = []
         for _ in range(m.local_epochs):
             order = torch.from_numpy(self.rngs[cid].permutation(len(xt)))
