@@ -1,0 +1,66 @@
+"""The model zoo: PPFL's Table 1 networks and DLG's sigmoid LeNet by name (004_f28ec6505072f6a8.txt Sec. 5.2).
+
+:func:`build_model` is how experiments pick a network: ``lenet``, ``alexnet``, ``vgg9``, ``vgg16`` and
+``mobilenetv2`` are PPFL's Table 1 (see :mod:`fedveil.models.vision` for how each reading of the table
+was made and its parameter counts), ``lenet-sigmoid`` is the LeNet of Zhu et al. (2019), "Deep Leakage
+from Gradients", with their ``uniform(-0.5, 0.5)`` initialisation. Every zoo model is a
+:class:`~fedveil.models.vision.LayerwiseNet`: ``forward`` is the composition of its ``layer_units()``,
+the units PPFL's greedy layer-wise training (Sec. 4.2) trains one at a time.
+
+Importing this module loads torch and, besides it, only :mod:`fedveil.errors` and
+:mod:`fedveil.models.vision`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fedveil.errors import ConfigError
+from fedveil.models.vision import VGG9, VGG16, AlexNet, LayerwiseNet, LeNet, LeNetSigmoid, MobileNetV2
+
+__all__ = ["MODELS", "build_model", "count_parameters"]
+
+MODELS: dict[str, type[LayerwiseNet]] = {
+    "lenet": LeNet,
+    "alexnet": AlexNet,
+    "vgg9": VGG9,
+    "vgg16": VGG16,
+    "mobilenetv2": MobileNetV2,
+    "lenet-sigmoid": LeNetSigmoid,
+}
+"""Zoo name -> network class; every class takes ``(num_classes, in_channels, image_size)``."""
+
+
+def build_model(
+    name: str,
+    *,
+    num_classes: int = 10,
+    in_channels: int = 1,
+    image_size: int = 28,
+    seed: int | None = None,
+) -> nn.Module:
+    """The zoo network ``name`` (a key of :data:`MODELS`) for ``(in_channels, image_size, image_size)``
+    inputs and ``num_classes`` outputs.
+
+    With ``seed`` the initial parameters are drawn from ``torch.manual_seed(seed)`` inside
+    :func:`torch.random.fork_rng`, so the same seed gives the same parameters and torch's global RNG is
+    left as it was; without one they come from the global RNG. Unknown names, sizes the network cannot
+    take and bad seeds raise :class:`~fedveil.errors.ConfigError`.
+    """
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"seed must be None or an integer >= 0, not {seed!r}")
+    network = MODELS[name]
+    if seed is None:
+        return network(num_classes, in_channels, image_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return network(num_classes, in_channels, image_size)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of scalar parameters of ``model`` (trainable or frozen; buffers such as BatchNorm's running
+    statistics are not parameters)."""
+    return sum(p.numel() for p in model.parameters())
