@@ -1,0 +1,135 @@
+"""``fedveil attack dlg|idlg|ig|mia|lira|pia ...``: run an attack of the suite and report its metrics.
+
+- ``fedveil attack dlg|idlg|ig [--model lenet-sigmoid] [--data fashion-mnist] [--batch 1] [--targets 10]
+  [--iterations N] [--view gradient|fedavg] [--seed 0] [--out DIR] [--json]``: gradient inversion of
+  client batches (:func:`fedveil.experiments.attack_runs.run_inversion`); prints ``mse``, ``psnr``,
+  ``ssim`` (medians over targets), ``label_accuracy``; writes a PNG grid and the JSON under ``--out``.
+- ``fedveil attack mia|lira [--model lenet] [--clients 10] [--samples-per-client 40] [--rounds 20]
+  [--local-epochs 2] [--shadows 8] [--seed 0] [--out DIR] [--json]``: membership inference against an
+  undefended FedAvg model and its control (``mia``: Yeom and the Nasr-style white-box attack; ``lira``:
+  LiRA) (:func:`~fedveil.experiments.attack_runs.run_membership`).
+- ``fedveil attack pia [--model lenet] [--clients 20] [--samples-per-client 16] [--rounds 6] ...``:
+  Melis et al.'s property inference on per-client updates, and its control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``attack`` command; each attack is a sub-command."""
+    parser = subparsers.add_parser("attack", help="attack what an observer of a federated run sees")
+    attacks = parser.add_subparsers(dest="attack", metavar="ATTACK", required=True)
+    for name, text in (
+        ("dlg", "Deep Leakage from Gradients (Zhu et al. 2019)"),
+        ("idlg", "improved DLG: label from the last layer (Zhao et al. 2020)"),
+        ("ig", "Inverting Gradients (Geiping et al. 2020)"),
+    ):
+        p = attacks.add_parser(name, help=text, description=text)
+        p.add_argument("--model", default="lenet-sigmoid", help="zoo model (default lenet-sigmoid)")
+        p.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
+        p.add_argument("--batch", type=int, default=1, help="images per client batch (default 1)")
+        p.add_argument("--targets", type=int, default=10, help="client batches attacked (default 10)")
+        p.add_argument("--iterations", type=int, default=None, help="optimiser iterations (attack default)")
+        p.add_argument(
+            "--view",
+            choices=("gradient", "fedavg"),
+            default="gradient",
+            help="gradient: the batch gradient (FedSGD); fedavg: one FedAvg round's upload off the wire",
+        )
+        _common(p)
+    for name, text in (
+        ("mia", "membership inference: Yeom loss threshold and Nasr-style white-box classifier"),
+        ("lira", "membership inference: LiRA (Carlini et al. 2022), offline and online"),
+        ("pia", "property inference from client updates (Melis et al. 2019)"),
+    ):
+        p = attacks.add_parser(name, help=text, description=text)
+        p.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+        p.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
+        p.add_argument("--clients", type=int, default=None, help="clients (default 10; pia 20)")
+        p.add_argument(
+            "--samples-per-client", type=int, default=None, help="examples per client (40; pia 16)"
+        )
+        p.add_argument("--rounds", type=int, default=None, help="FedAvg rounds (default 20; pia 6)")
+        if name != "pia":
+            p.add_argument("--local-epochs", type=int, default=2, help="local epochs per round (default 2)")
+            p.add_argument("--shadows", type=int, default=8, help="LiRA shadow models (default 8)")
+        _common(p)
+    parser.set_defaults(func=run)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="seed of everything random (default 0)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the JSON report and PNGs")
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen attack and print its report."""
+    from fedveil.experiments import attack_runs
+
+    if args.attack in attack_runs.INVERSIONS:
+        summary = attack_runs.run_inversion(
+            args.attack,
+            model=args.model,
+            data=args.data,
+            batch=args.batch,
+            targets=args.targets,
+            iterations=args.iterations,
+            view=args.view,
+            seed=args.seed,
+            out=args.out,
+        )
+        if args.json:
+            print(json.dumps(summary, indent=2, default=float))
+        else:
+            print(summary["data_source"])
+            print(
+                f"{args.attack} batch {args.batch}, {args.targets} targets, view {args.view}: "
+                f"MSE {summary['mse']:.3g}  PSNR {summary['psnr']:.1f} dB  SSIM {summary['ssim']:.3f}  "
+                f"labels {summary['label_accuracy']:.2f}  recovered {summary['recovered']}/{args.targets}"
+            )
+        return 0
+    if args.attack == "pia":
+        summary = attack_runs.run_property(
+            data=args.data,
+            model=args.model,
+            clients=args.clients or 20,
+            samples_per_client=args.samples_per_client or 16,
+            rounds=args.rounds or 6,
+            seed=args.seed,
+            out=args.out,
+        )
+    else:
+        summary = attack_runs.run_membership(
+            attacks=("yeom", "nasr") if args.attack == "mia" else ("lira",),
+            run=attack_runs.membership_run(
+                data=args.data,
+                model=args.model,
+                clients=args.clients or 10,
+                samples_per_client=args.samples_per_client or 40,
+                rounds=args.rounds or 20,
+                local_epochs=args.local_epochs,
+                seed=args.seed,
+            ),
+            shadows=args.shadows,
+            seed=args.seed,
+            out=args.out,
+            progress=not args.json,
+        )
+    if args.json:
+        print(json.dumps(summary, indent=2, default=float))
+    else:
+        print(summary["run"]["data"])
+        for name, rep in summary["attacks"].items():
+            low = rep.get("tpr_at_fpr", {})
+            print(
+                f"{name:16s} AUC {rep['auc']:.3f} (null s.e. {rep['auc_null_std_error']:.3f})  "
+                f"precision {rep['precision']:.3f}  balanced acc {rep['balanced_accuracy']:.3f}  "
+                f"TPR@FPR {low}"
+            )
+    return 0

@@ -1,0 +1,150 @@
+"""Image FedAvg experiments on the engine: data set, partition, model zoo, rounds with evaluation.
+
+:func:`train_fedavg` is what the attack experiments train their target on (an undefended FedAvg model on
+Fashion-MNIST, overfit enough to leak), and what later systems (PPFL, AIoT, PoliFL) start from. Every
+message goes through the simulation runtime and the codec, so an observer's tap sees the real bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fedveil.data.images import ImageData, load_image_dataset
+from fedveil.data.partition import partition, to_federated
+from fedveil.errors import ConfigError
+from fedveil.models.flat import FlatModel
+from fedveil.models.zoo import build_model
+from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer, ParameterPlan
+from fedveil.runtime.simulation import SimulationRuntime
+
+__all__ = ["FedAvgRun", "TrainedFedAvg", "train_fedavg"]
+
+
+@dataclass(frozen=True)
+class FedAvgRun:
+    """One image FedAvg experiment: ``data`` (a :func:`load_image_dataset` name), ``model`` (a zoo name),
+    ``clients`` holding ``samples_per_client`` training examples each (drawn without replacement from the
+    training split, then split by ``scheme``: ``iid``, ``classes:K``, ``dirichlet:ALPHA``), ``test_samples``
+    test examples, ``rounds`` of ``fedavg`` and a ``seed`` for everything random."""
+
+    data: str = "fashion-mnist"
+    model: str = "lenet"
+    clients: int = 10
+    samples_per_client: int = 100
+    scheme: str = "iid"
+    test_samples: int = 1000
+    rounds: int = 20
+    fedavg: ImageFedAvgConfig = field(default_factory=ImageFedAvgConfig)
+    seed: int = 0
+    batched: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("clients", "samples_per_client", "test_samples", "rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} {value!r} must be an integer >= 1")
+
+
+@dataclass
+class TrainedFedAvg:
+    """The outcome: the server (global model), the members' data, the unused training examples
+    (non-members from the same distribution), the test split and one history line per evaluation."""
+
+    run: FedAvgRun
+    server: ModelServer
+    flat: FlatModel
+    members: ImageData
+    non_members: ImageData
+    test: ImageData
+    history: list[dict[str, Any]]
+    candidate_index: np.ndarray
+
+    def train_accuracy(self) -> float:
+        """Accuracy of the global model on the members' data (how far it fits its training set)."""
+        return self.server.evaluate(self.members.x, self.members.y)["accuracy"]
+
+    def model(self) -> torch.nn.Module:
+        """The global model, loaded into the module (eval mode)."""
+        module = self.flat.load_into_module(self.server.full_weights())
+        return module.eval()
+
+
+def train_fedavg(
+    run: FedAvgRun,
+    *,
+    tap: Callable[[str, bytes], None] | None = None,
+    progress: bool = True,
+    plan: Callable[[FlatModel], ParameterPlan] | None = None,
+    avoid: np.ndarray | None = None,
+) -> TrainedFedAvg:
+    """Train ``run`` in simulation and return the model, data splits and evaluation history.
+
+    ``avoid`` lists training-split indices that must be neither members nor non-members (a control model
+    trained on data disjoint from another run's candidates, :attr:`TrainedFedAvg.candidate_index`).
+    """
+    rng = np.random.default_rng(run.seed)
+    train = load_image_dataset(run.data, "train", seed=run.seed)
+    test = load_image_dataset(run.data, "test", seed=run.seed)
+    needed = run.clients * run.samples_per_client
+    order = rng.permutation(len(train))
+    if avoid is not None:
+        order = order[~np.isin(order, avoid)]
+    if needed > len(order):
+        raise ConfigError(
+            f"{run.clients} clients x {run.samples_per_client} samples = {needed} examples; "
+            f"{train.name} has {len(order)} usable training examples"
+        )
+    member_index = np.sort(order[:needed])
+    non_member_index = np.sort(order[needed : needed + min(len(order) - needed, run.test_samples)])
+    members = train.subset(member_index)
+    non_members = train.subset(non_member_index)
+    test = test.subset(np.sort(rng.permutation(len(test))[: min(len(test), run.test_samples)]))
+    parts = partition(members.y, run.scheme, run.clients, rng)
+    data = to_federated(members, parts)
+    torch.manual_seed(run.seed)
+    module = build_model(
+        run.model,
+        num_classes=members.num_classes,
+        in_channels=members.image_shape[0],
+        image_size=members.image_shape[1],
+        seed=run.seed,
+    )
+    flat = FlatModel(module)
+    chosen = plan(flat) if plan is not None else ParameterPlan(flat)
+    initial = flat.initial()
+    pool = ModelClients(
+        flat,
+        data,
+        optimizer=run.fedavg.optimizer,
+        seed=run.seed,
+        plan=chosen,
+        initial=initial,
+        batched=run.batched,
+    )
+    runtime = SimulationRuntime(pool, rng=np.random.default_rng(run.seed + 1), tap=tap)
+    server = ModelServer(run.fedavg, flat, np.random.default_rng(run.seed + 2), plan=chosen, initial=initial)
+    server.setup(runtime)
+    history: list[dict[str, Any]] = []
+    every = run.fedavg.eval_every
+
+    async def go() -> None:
+        bar = tqdm(range(1, run.rounds + 1), desc=f"FedAvg {run.model} on {train.name}", disable=not progress)
+        for rnd in bar:
+            report = await server.run_round(rnd, runtime)
+            line = report.as_dict()
+            if every and (rnd % every == 0 or rnd == run.rounds):
+                line.update({f"test_{k}": v for k, v in server.evaluate(test.x, test.y).items()})
+                bar.set_postfix(acc=f"{line['test_accuracy']:.3f}")
+            history.append(line)
+
+    asyncio.run(go())
+    return TrainedFedAvg(
+        run, server, flat, members, non_members, test, history, np.r_[member_index, non_member_index]
+    )
