@@ -4,8 +4,8 @@
   [--iterations N] [--view gradient|fedavg] [--seed 0] [--out DIR] [--json]``: gradient inversion of
   client batches (:func:`fedveil.experiments.attack_runs.run_inversion`); prints ``mse``, ``psnr``,
   ``ssim`` (medians over targets), ``label_accuracy``; writes a PNG grid and the JSON under ``--out``.
-- ``fedveil attack mia|lira [--model lenet] [--clients 10] [--samples-per-client 40] [--rounds 20]
-  [--local-epochs 2] [--shadows 8] [--seed 0] [--out DIR] [--json]``: membership inference against an
+- ``fedveil attack mia|lira [--model lenet] [--clients 10] [--samples-per-client 40] [--rounds 40]
+  [--local-epochs 5] [--shadows 8] [--seed 0] [--out DIR] [--json]``: membership inference against an
   undefended FedAvg model and its control (``mia``: Yeom and the Nasr-style white-box attack; ``lira``:
   LiRA) (:func:`~fedveil.experiments.attack_runs.run_membership`).
 - ``fedveil attack pia [--model lenet] [--clients 20] [--samples-per-client 16] [--rounds 6] ...``:
@@ -54,10 +54,11 @@ def register(subparsers: Any) -> None:
         p.add_argument(
             "--samples-per-client", type=int, default=None, help="examples per client (40; pia 16)"
         )
-        p.add_argument("--rounds", type=int, default=None, help="FedAvg rounds (default 20; pia 6)")
+        p.add_argument("--rounds", type=int, default=None, help="FedAvg rounds (default 40; pia 6)")
         if name != "pia":
-            p.add_argument("--local-epochs", type=int, default=2, help="local epochs per round (default 2)")
+            p.add_argument("--local-epochs", type=int, default=5, help="local epochs per round (default 5)")
             p.add_argument("--shadows", type=int, default=8, help="LiRA shadow models (default 8)")
+            p.add_argument("--shadow-epochs", type=int, default=None, help="LiRA shadow epochs (<= 100)")
         _common(p)
     parser.set_defaults(func=run)
 
@@ -112,11 +113,12 @@ def run(args: argparse.Namespace) -> int:
                 model=args.model,
                 clients=args.clients or 10,
                 samples_per_client=args.samples_per_client or 40,
-                rounds=args.rounds or 20,
+                rounds=args.rounds or 40,
                 local_epochs=args.local_epochs,
                 seed=args.seed,
             ),
             shadows=args.shadows,
+            shadow_epochs=args.shadow_epochs,
             seed=args.seed,
             out=args.out,
             progress=not args.json,

@@ -220,8 +220,8 @@ def membership_run(
     model: str = "lenet",
     clients: int = 10,
     samples_per_client: int = 40,
-    rounds: int = 20,
-    local_epochs: int = 2,
+    rounds: int = 40,
+    local_epochs: int = 5,
     seed: int = 0,
 ) -> FedAvgRun:
     """The default target of :func:`run_membership`: full participation, SGD with momentum 0.9 and
@@ -249,6 +249,7 @@ def run_membership(
     attacks: tuple[str, ...] = MIA_ATTACKS,
     run: FedAvgRun | None = None,
     shadows: int = 8,
+    shadow_epochs: int | None = None,
     seed: int = 0,
     out: Path | None = None,
     progress: bool = True,
@@ -257,7 +258,9 @@ def run_membership(
 
     Candidates are the target's ``n`` training examples (members) and ``n`` unused training examples
     (non-members). The control model is trained by the same recipe on examples disjoint from both, so its
-    AUC must be 0.5 up to sampling error (``auc_null_std_error`` in each report).
+    AUC must be 0.5 up to sampling error (``auc_null_std_error`` in each report). LiRA's ``shadows`` are
+    trained centrally on random halves of the candidates for ``shadow_epochs`` passes (default: the
+    target's epochs over a client's data, ``rounds * local_epochs``, at most 100).
     """
     bad = [a for a in attacks if a not in MIA_ATTACKS]
     if bad:
@@ -271,8 +274,8 @@ def run_membership(
     x = torch.from_numpy(np.concatenate([target.members.x, target.non_members.x[:n]]))
     y = torch.from_numpy(np.concatenate([target.members.y, target.non_members.y[:n]]))
     is_member = np.r_[np.ones(n, bool), np.zeros(n, bool)]
-    epochs = run.rounds * run.fedavg.local_epochs * run.fedavg.clients_per_round // run.clients
-    train_fn = _central_train_fn(run, max(1, epochs), target.members.num_classes)
+    epochs = shadow_epochs or min(100, run.rounds * run.fedavg.local_epochs)
+    train_fn = _central_train_fn(run, epochs, target.members.num_classes)
     reports: dict[str, Any] = {}
     for name, trained in (("target", target), ("control", control)):
         model = trained.model()
@@ -299,6 +302,7 @@ def run_membership(
             "rounds": run.rounds,
             "local_epochs": run.fedavg.local_epochs,
             "shadows": shadows,
+            "shadow_epochs": epochs,
             "target_train_accuracy": target.train_accuracy(),
             "target_test": target.history[-1].get("test_accuracy"),
             "control_test": control.history[-1].get("test_accuracy"),

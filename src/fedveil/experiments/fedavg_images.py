@@ -43,7 +43,7 @@ class FedAvgRun:
     rounds: int = 20
     fedavg: ImageFedAvgConfig = field(default_factory=ImageFedAvgConfig)
     seed: int = 0
-    batched: bool = True
+    batched: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("clients", "samples_per_client", "test_samples", "rounds"):

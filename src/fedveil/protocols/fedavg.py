@@ -333,6 +333,9 @@ class ClipAndNoise:
 
 UpdateTransform = Callable[[torch.Tensor, np.random.Generator], torch.Tensor]
 
+BATCH_BELOW_PARAMS = 100_000
+"""Models up to this many parameters train a cohort batched by default (measured, :class:`ModelClients`)."""
+
 
 # --- image FedAvg: any module, any federated dataset ---------------------------------------------------
 
@@ -473,6 +476,9 @@ class ModelClients:
 
     ``batched=True`` trains the clients of a request whose data sizes agree together (one ``vmap``);
     ``batched=False`` one by one; both give equal numbers (``tests/test_protocols_fedavg_engine.py``).
+    ``batched=None`` (default) batches where it is faster: models of at most :data:`BATCH_BELOW_PARAMS`
+    parameters (``fedveil bench fedavg``: the 13k-parameter sigmoid LeNet trains 1.6x faster batched,
+    the 0.3M AlexNet and the 1.3M LeNet 0.7-0.85x as fast, docs/benchmarks.md).
     Models with BatchNorm are trained and evaluated with batch statistics (running statistics are not
     federated here: :func:`torch.func.replace_all_batch_norm_modules_` is applied); models with dropout
     draw different masks on the two paths.
@@ -489,7 +495,7 @@ class ModelClients:
         initial: np.ndarray | None = None,
         loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
         transform: UpdateTransform | None = None,
-        batched: bool = True,
+        batched: bool | None = None,
         x_key: str = "x",
         y_key: str = "y",
     ) -> None:
@@ -501,7 +507,7 @@ class ModelClients:
         self.plan = plan or ParameterPlan(flat)
         self.loss_fn = loss
         self.transform = transform
-        self.batched = batched
+        self.batched = flat.num_params <= BATCH_BELOW_PARAMS if batched is None else batched
         self.x_key, self.y_key = x_key, y_key
         self.ids = list(data.user_ids)
         self.rngs = {cid: client_rng(seed, i) for i, cid in enumerate(self.ids)}
