@@ -65,3 +65,16 @@ def test_bad_attack_input(capsys) -> None:
     assert "not one of fashion-mnist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["attack", "dlg", "--view", "sealed"])
+
+
+def test_bench_fedavg_and_dlg_report_rates(capsys) -> None:
+    small = ["--model", "lenet-sigmoid", "--clients", "2", "--samples", "20", "--repeats", "1", "--json"]
+    assert main(["bench", "fedavg", *small]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["batched_updates_per_second"] > 0 and row["one_by_one_updates_per_second"] > 0
+    assert row["speedup"] == pytest.approx(
+        row["batched_updates_per_second"] / row["one_by_one_updates_per_second"]
+    )
+    assert main(["bench", "dlg", "--iterations", "2", "--repeats", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["iterations_per_second_median"] > 0
+    assert main(["bench", "fedavg", "--clients", "0"]) == 2

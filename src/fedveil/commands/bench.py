@@ -27,6 +27,8 @@ def register(subparsers: Any) -> None:
     _add_rounds(benches)
     _add_codec(benches)
     _add_network(benches)
+    _add_fedavg(benches)
+    _add_dlg(benches)
     parser.set_defaults(func=run)
 
 
@@ -243,6 +245,73 @@ def _run_codec(args: argparse.Namespace) -> int:
             f"codec round trip of {row['wire_bytes']} bytes: {1e6 * row['round_trip_seconds']:.0f} us "
             f"({row['round_trip_gb_per_s']:.1f} GB/s; encode {1e6 * row['encode_seconds']:.0f} us, "
             f"decode {1e6 * row['decode_seconds']:.0f} us)"
+        )
+    return 0
+
+
+def _add_fedavg(sub: Any) -> None:
+    p = sub.add_parser(
+        "fedavg",
+        help="FedAvg engine client updates per second, batched cohort vs one by one",
+        description="Time ModelClients answering one FitRequest for --clients clients (each --epochs over "
+        "--samples examples in batches of --batch-size), batched (vmap) and one by one, side by side.",
+    )
+    p.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+    p.add_argument("--clients", type=int, default=8, help="clients per request (default 8)")
+    p.add_argument("--samples", type=int, default=500, help="examples per client (default 500)")
+    p.add_argument("--batch-size", type=int, default=16, help="local batch size (default 16)")
+    p.add_argument("--epochs", type=int, default=1, help="local epochs (default 1)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls; the median is reported (default 3)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(bench_func=_run_fedavg)
+
+
+def _run_fedavg(args: argparse.Namespace) -> int:
+    from fedveil.experiments.bench_fedavg import bench_fedavg_updates
+
+    for name in ("clients", "samples", "batch_size", "epochs", "repeats"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    row = bench_fedavg_updates(
+        model=args.model,
+        clients=args.clients,
+        samples=args.samples,
+        batch_size=args.batch_size,
+        local_epochs=args.epochs,
+        repeats=args.repeats,
+    )
+    if args.json:
+        print(json.dumps(row, indent=2))
+    else:
+        print(
+            f"{row['model']} ({row['num_params']} parameters), {row['samples']} samples, "
+            f"batch {row['batch_size']}: "
+            f"batched {row['batched_updates_per_second']:.2f} updates/s, one by one "
+            f"{row['one_by_one_updates_per_second']:.2f} updates/s (x{row['speedup']:.2f})"
+        )
+    return 0
+
+
+def _add_dlg(sub: Any) -> None:
+    p = sub.add_parser("dlg", help="DLG iterations per second at batch 1 (sigmoid LeNet, 28x28)")
+    p.add_argument("--iterations", type=int, default=50, help="L-BFGS iterations per run (default 50)")
+    p.add_argument("--repeats", type=int, default=3, help="runs; the median is reported (default 3)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(bench_func=_run_dlg)
+
+
+def _run_dlg(args: argparse.Namespace) -> int:
+    from fedveil.experiments.bench_fedavg import bench_dlg
+
+    if args.iterations < 1 or args.repeats < 1:
+        raise ConfigError(f"--iterations {args.iterations} and --repeats {args.repeats} must be >= 1")
+    row = bench_dlg(iterations=args.iterations, repeats=args.repeats)
+    if args.json:
+        print(json.dumps(row, indent=2))
+    else:
+        print(
+            f"DLG on lenet-sigmoid, batch 1: {row['iterations_per_second_median']:.1f} iterations/s "
+            f"({row['evaluations_per_second_median']:.0f} gradient-matching evaluations/s)"
         )
     return 0
 
