@@ -34,8 +34,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from numpy.typing import ArrayLike
 from torch import nn
 
@@ -398,41 +396,17 @@ def score_attack(
 def plot_attack_roc(
     reports: Mapping[str, AttackScores], path: str | Path, *, title: str = "Attack ROC", dpi: int = 120
 ) -> Path:
-    """Draw the ROC curves of ``reports`` on log-log axes (as Carlini et al. 2022, Fig. 1) into a PNG.
+    """Draw the ROC curves of ``reports`` on log-log axes (as Carlini et al. 2022, Fig. 1) into a PNG,
+    through :func:`fedveil.eval.plots.plot_roc` (vertices with FPR or TPR = 0 are left out)."""
+    from fedveil.eval.plots import plot_roc
 
-    Vertices with FPR or TPR = 0 cannot be drawn on log axes and are left out; the axes start at the
-    smallest resolvable FPR over all reports (1 / number of negatives). The chance line TPR = FPR is dotted.
-    Each curve is labelled with its AUC. ``path`` must end in ``.png``; missing parent folders are created.
-    """
     if not reports:
         raise ConfigError("reports is empty; give at least one name -> AttackScores")
     for name, report in reports.items():
         if not isinstance(report, AttackScores):
             raise ConfigError(f"reports[{name!r}] must be an AttackScores, got {type(report).__name__}")
-    out = Path(path)
-    if out.suffix.lower() != ".png":
-        raise ConfigError(f"path must end in .png, got {str(out)!r}")
-    fig = Figure(figsize=(5.0, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    lowest = min(min(r.min_resolvable_fpr, 1.0 / r.num_positives) for r in reports.values())
-    for name, report in reports.items():
-        roc = report.roc()
-        keep = (roc.fpr > 0) & (roc.tpr > 0)
-        ax.plot(roc.fpr[keep], roc.tpr[keep], label=f"{name} (AUC = {report.auc:.3f})")
-    ax.plot([lowest, 1.0], [lowest, 1.0], linestyle=":", color="grey", linewidth=1.0)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lowest, 1.0)
-    ax.set_ylim(lowest, 1.01)
-    ax.set_xlabel("false positive rate")
-    ax.set_ylabel("true positive rate")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=_positive_int("dpi", dpi))
-    return out
+    curves = {name: report.roc() for name, report in reports.items()}
+    return plot_roc(curves, path, title=title, log_fpr=True, log_tpr=True, dpi=_positive_int("dpi", dpi))
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,6 +24,7 @@ def plot_roc(
     *,
     title: str = "ROC",
     log_fpr: bool = False,
+    log_tpr: bool = False,
     dpi: int = 120,
 ) -> Path:
     """Draw one or more ROC curves (TPR against FPR) into a PNG file at ``path`` and return its path.
@@ -31,8 +32,10 @@ def plot_roc(
     Each curve is labelled ``"<name> (AUC = x.xxx)"``, the area by the trapezoidal rule over the curve's
     vertices. With ``log_fpr=True`` the FPR axis is logarithmic: vertices with FPR = 0 cannot be drawn
     there and are left out, and the axis starts at the smallest positive FPR of all curves (at most 0.1).
-    Otherwise the chance diagonal is drawn too. ``path`` must end in ``.png``; missing parent folders are
-    created.
+    Otherwise the chance diagonal is drawn too. ``log_tpr=True`` (with ``log_fpr``) gives log-log axes,
+    as membership-inference papers draw them (Carlini et al. 2022, Fig. 1): vertices with TPR = 0 are left
+    out too and the dotted chance line starts at the smallest positive FPR. ``path`` must end in ``.png``;
+    missing parent folders are created.
     """
     if not curves:
         raise ConfigError("curves is empty; give at least one name -> Roc")
@@ -46,8 +49,10 @@ def plot_roc(
     fig = Figure(figsize=(5.0, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    if log_tpr and not log_fpr:
+        raise ConfigError("log_tpr=True needs log_fpr=True (log-log axes)")
     for name, roc in curves.items():
-        keep = roc.fpr > 0 if log_fpr else slice(None)
+        keep = (roc.fpr > 0) & ((roc.tpr > 0) if log_tpr else True) if log_fpr else slice(None)
         ax.plot(roc.fpr[keep], roc.tpr[keep], label=f"{name} (AUC = {roc.auc():.3f})")
     if log_fpr:
         positive = [roc.fpr[roc.fpr > 0] for roc in curves.values()]
@@ -57,7 +62,13 @@ def plot_roc(
     else:
         ax.plot([0.0, 1.0], [0.0, 1.0], linestyle=":", color="grey", linewidth=1.0)
         ax.set_xlim(0.0, 1.0)
-    ax.set_ylim(0.0, 1.01)
+    if log_tpr:
+        low = min(smallest, 0.1)
+        ax.plot([low, 1.0], [low, 1.0], linestyle=":", color="grey", linewidth=1.0)
+        ax.set_yscale("log")
+        ax.set_ylim(low, 1.01)
+    else:
+        ax.set_ylim(0.0, 1.01)
     ax.set_xlabel("false positive rate (FPR)" + (", log scale" if log_fpr else ""))
     ax.set_ylabel("true positive rate (TPR)")
     ax.set_title(title)

@@ -104,6 +104,26 @@ def _step(
     return p - lr * update, state
 
 
+def _loop(
+    step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    p: torch.Tensor,
+    batches: Sequence[tuple[torch.Tensor, ...]],
+    opt: LocalOptimizer,
+    lr: float,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local-training loop over ``step`` (gradient and loss; plain or vmapped): params, mean loss."""
+    if not batches:
+        raise ConfigError("local training needs at least one mini-batch")
+    state: tuple[torch.Tensor, ...] = ()
+    losses = []
+    for t, batch in enumerate(batches, start=1):
+        g, value = step(p, *batch)
+        p, state = _step(opt, lr, t, p, g, state, mask)
+        losses.append(value)
+    return p, torch.stack(losses).mean(dim=0)
+
+
 def local_train(
     loss: Loss,
     p: torch.Tensor,
@@ -118,16 +138,7 @@ def local_train(
     arguments after the parameters), ``lr`` this round's rate. Returns the trained parameters and the
     mean training loss over the steps.
     """
-    if not batches:
-        raise ConfigError("local training needs at least one mini-batch")
-    step = grad_and_value(loss)
-    state: tuple[torch.Tensor, ...] = ()
-    losses = []
-    for t, batch in enumerate(batches, start=1):
-        g, value = step(p, *batch)
-        p, state = _step(opt, lr, t, p, g, state, mask)
-        losses.append(value)
-    return p, torch.stack(losses).mean()
+    return _loop(grad_and_value(loss), p, batches, opt, lr, mask)
 
 
 def local_train_cohort(
@@ -143,13 +154,4 @@ def local_train_cohort(
     The clients' steps run as one vectorised computation (``vmap`` over the leading axis); each client
     still sees only its own parameters and batches. Returns ``(K, P)`` parameters and ``(K,)`` mean losses.
     """
-    if not batches:
-        raise ConfigError("local training needs at least one mini-batch")
-    step = vmap(grad_and_value(loss))
-    state: tuple[torch.Tensor, ...] = ()
-    losses = []
-    for t, batch in enumerate(batches, start=1):
-        g, value = step(p, *batch)
-        p, state = _step(opt, lr, t, p, g, state, mask)
-        losses.append(value)
-    return p, torch.stack(losses).mean(dim=0)
+    return _loop(vmap(grad_and_value(loss)), p, batches, opt, lr, mask)
