@@ -88,6 +88,28 @@ def _fedavg_one_step_view(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr
     return view
 
 
+GRID_TARGETS = 8
+"""Batch-1 grids show this many targets side by side (AIoT Fig. 4 style); larger batches show one."""
+GRID_ITERATIONS = (0, 1, 2, 3, 5, 8, 13, 21)
+
+
+def _grid_result(
+    shown: list[tuple[torch.Tensor, torch.Tensor, Any]],
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Originals, labels and one result whose columns are the shown targets, with snapshots at the early
+    iterations where the reconstructions form (:data:`GRID_ITERATIONS`) and the final one."""
+    histories = [dict(r.history) for _, _, r in shown]
+    last = min(max(h) for h in histories)
+    picks = [it for it in GRID_ITERATIONS if it < last and all(it in h for h in histories)] + [last]
+    combined = replace(
+        shown[0][2],
+        images=torch.cat([r.images for _, _, r in shown]),
+        labels=torch.cat([r.labels for _, _, r in shown]),
+        history=[(it, torch.cat([h[it] for h in histories])) for it in picks],
+    )
+    return torch.cat([x for x, _, _ in shown]), torch.cat([y for _, y, _ in shown]), combined
+
+
 def run_inversion(
     attack: str,
     *,
@@ -119,7 +141,8 @@ def run_inversion(
         raise ConfigError(f"{images.name} has {len(images)} test images, fewer than {batch} x {targets}")
     run = INVERSIONS[attack]
     kwargs: dict[str, Any] = {} if iterations is None else {"iterations": iterations}
-    rows, first = [], None
+    rows: list[dict[str, Any]] = []
+    shown: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
     t0 = time.perf_counter()
     for i in range(targets):
         idx = np.sort(order[i * batch : (i + 1) * batch])
@@ -138,7 +161,7 @@ def run_inversion(
             image_shape=images.image_shape,
             batch_size=batch,
             seed=seed + i,
-            snapshot_every=1 if i == 0 else None,
+            snapshot_every=1 if i < GRID_TARGETS else None,
             **kwargs,
         )
         metrics = evaluate_inversion(result, x, y)
@@ -153,8 +176,8 @@ def run_inversion(
                 "iterations_per_second": result.iterations_per_second,
             }
         )
-        if first is None:
-            first = (x, y, result)
+        if i < GRID_TARGETS:
+            shown.append((x, y, result))
     summary = {
         "attack": attack,
         "model": model,
@@ -175,10 +198,10 @@ def run_inversion(
         "metric_note": "mse, psnr, ssim: medians over targets of each target's mean over its batch, after "
         "the best matching of reconstructions to originals; recovered: targets with mse <= 0.01",
     }
-    if out is not None and first is not None:
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        x, y, result = first
-        save_inversion_grid(out / f"attack_{attack}_batch{batch}.png", x, result, original_labels=y)
+        x, y, grid = _grid_result(shown if batch == 1 else shown[:1])
+        save_inversion_grid(out / f"attack_{attack}_batch{batch}.png", x, grid, original_labels=y)
         _write_json(out / f"attack_{attack}_batch{batch}.json", summary)
     return summary
 
