@@ -115,3 +115,33 @@ def test_lr_decay_and_bad_settings() -> None:
     flat = FlatModel(_net())
     with pytest.raises(ConfigError, match="at least one mini-batch"):
         local_train(lambda p, x, y: p.sum(), torch.from_numpy(flat.initial()), [], LocalOptimizer(), 0.1)
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        LocalOptimizer("sgd", lr=0.1),
+        LocalOptimizer("sgd", lr=0.1, momentum=0.5, weight_decay=0.01),
+        LocalOptimizer("adam", lr=0.01, weight_decay=0.001),
+    ],
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_inplace_steps_are_bit_identical(opt: LocalOptimizer, masked: bool) -> None:
+    """The in-place step (PPFL's TEE, lighter on memory) computes exactly what the pure step does, with a
+    per-step rate schedule too; the caller's vector is the one trained."""
+    flat = FlatModel(_net())
+    p0 = torch.from_numpy(flat.initial())
+    mask = (torch.arange(flat.num_params) % 3 != 0).float() if masked else None
+    batches = _batches(5, 6)
+    rates = [opt.lr * 0.9**t for t in range(6)]
+
+    def loss(p: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(flat(p, x), y)
+
+    pure, pure_loss = local_train(loss, p0.clone(), batches, opt, rates, mask)
+    owned = p0.clone()
+    inplace, inplace_loss = local_train(loss, owned, batches, opt, rates, mask, inplace=True)
+    assert torch.equal(pure, inplace) and torch.equal(pure_loss, inplace_loss)
+    assert inplace.data_ptr() == owned.data_ptr()
+    with pytest.raises(ConfigError, match="5 learning rates for 6 mini-batches"):
+        local_train(loss, p0.clone(), batches, opt, rates[:5])

@@ -47,8 +47,10 @@ from fedveil.enclave.channel import (
     DERIVATIVES,
     EMBEDDINGS,
     GRADIENT,
+    MODEL,
     NONCE_BYTES,
     PUBLIC_KEY_BYTES,
+    UPDATE,
     SecureChannel,
     check_client_id,
     client_channel,
@@ -328,3 +330,17 @@ class EnclaveClientSession:
         return decode_array(
             self._ready().open(record, kind=DERIVATIVES, rnd=rnd, attempt=attempt), dtype="<f4", ndim=2
         )
+
+    def open_model(self, rnd: int, record: bytes) -> np.ndarray:
+        """Decrypt the flat float32 parameters the enclave sealed to this client TEE for round ``rnd``
+        (PPFL Alg. 2's input ``theta_l``; the layer index is bound by the round, :mod:`fedveil.enclave.
+        layerwise`); a read-only array."""
+        return decode_array(self._ready().open(record, kind=MODEL, rnd=rnd, attempt=0), dtype="<f4", ndim=1)
+
+    def seal_update(self, rnd: int, values: np.ndarray) -> bytes:
+        """Encrypt this client TEE's flat float32 trained parameters (PPFL Alg. 2's output) to the
+        enclave."""
+        array = np.asarray(values, dtype=np.float32)
+        if array.ndim != 1:
+            raise ValidationError(f"update must be flat (P,), got shape {array.shape}")
+        return self._ready().seal(UPDATE, rnd, 0, encode_array(array))

@@ -20,6 +20,10 @@ anywhere fails authentication, a record for another round, attempt or kind is re
 receiver accepts only sequence numbers above the last one it accepted, so a replayed or reordered
 record is refused while a lost one (a dropout) does not desynchronise the session.
 
+Kinds: FDML's ``embeddings`` and ``gradient`` (client -> enclave) and ``derivatives`` (enclave -> client);
+PPFL's ``model`` (the layer under training and its classifier, enclave -> client TEE) and ``update``
+(the client TEE's trained values, client -> enclave), :mod:`fedveil.enclave.layerwise`.
+
 **Frames** (the plaintext inside records, and every message between host and enclave process; a
 small numpy-only format so that the enclave need not import :mod:`fedveil.core`)::
 
@@ -59,9 +63,20 @@ ENCLAVE_TO_CLIENT = 2
 EMBEDDINGS = 1
 GRADIENT = 2
 DERIVATIVES = 3
-KIND_NAMES = {EMBEDDINGS: "embeddings", GRADIENT: "gradient", DERIVATIVES: "derivatives"}
+MODEL = 4
+UPDATE = 5
+KIND_NAMES = {
+    EMBEDDINGS: "embeddings",
+    GRADIENT: "gradient",
+    DERIVATIVES: "derivatives",
+    MODEL: "model",
+    UPDATE: "update",
+}
 DIRECTION_NAMES = {CLIENT_TO_ENCLAVE: "client->enclave", ENCLAVE_TO_CLIENT: "enclave->client"}
-_KINDS_BY_DIRECTION = {CLIENT_TO_ENCLAVE: (EMBEDDINGS, GRADIENT), ENCLAVE_TO_CLIENT: (DERIVATIVES,)}
+_KINDS_BY_DIRECTION = {
+    CLIENT_TO_ENCLAVE: (EMBEDDINGS, GRADIENT, UPDATE),
+    ENCLAVE_TO_CLIENT: (DERIVATIVES, MODEL),
+}
 
 NONCE_BYTES = 32
 PUBLIC_KEY_BYTES = 32

@@ -29,6 +29,13 @@ gradients into it, and receive their derivatives directly from it. Every request
     so the running aggregate joins the next batch as one more member whose sample count is the total
     so far (one batch gives exactly the direct call). The ``final`` batch releases the aggregate
     gradient to the host for the optimizer step, as FDML's cloud updates the global network.
+``layer_begin`` / ``layer_broadcast`` / ``layer_aggregate`` / ``layer_release``
+    PPFL Alg. 1 (:mod:`fedveil.enclave.layerwise`): ``{"stage", "seed", "specs"}`` initialises the layer
+    under training inside; ``{"round", "stage", "clients", "kept"}`` seals it (or, with ``kept``, the
+    tail kept inside after training) to each client's session as a ``model`` record; ``{"round",
+    "stage", "clients", "num_samples", "weighted"}`` with one sealed ``update`` record per client opens
+    them (failures reject that client only), averages them inside and releases only the clients' mean
+    loss; ``{"stage", "keep"}`` releases the trained layer to the host, but for its last ``keep`` values.
 ``shutdown``
     Ends the enclave process's loop.
 
@@ -68,7 +75,9 @@ from fedveil.enclave.channel import (
     EMBEDDINGS,
     GRADIENT,
     KIND_NAMES,
+    MODEL,
     RECORD_OVERHEAD,
+    UPDATE,
     SecureChannel,
     canonical_json,
     check_client_id,
@@ -80,6 +89,7 @@ from fedveil.enclave.channel import (
     unpack_frame,
 )
 from fedveil.enclave.dp import private_derivatives
+from fedveil.enclave.layerwise import LayerwiseState, ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
 from fedveil.enclave.triplet import TripletResult, loss_and_derivatives
 from fedveil.errors import CodecError, ConfigError, FedveilError, ValidationError
@@ -192,8 +202,13 @@ class EnclaveService:
             "open_session": self._open_session,
             "loss": self._loss,
             "aggregate": self._aggregate,
+            "layer_begin": self._layer_begin,
+            "layer_broadcast": self._layer_broadcast,
+            "layer_aggregate": self._layer_aggregate,
+            "layer_release": self._layer_release,
             "shutdown": self._shutdown,
         }
+        self._layers = LayerwiseState()
 
     @property
     def resident_bytes(self) -> int:
@@ -201,7 +216,7 @@ class EnclaveService:
         held = SESSION_BYTES * len(self._sessions)
         if self._aggregation is not None and self._aggregation.gradient is not None:
             held += self._aggregation.gradient.nbytes
-        return held
+        return held + self._layers.resident_bytes
 
     @property
     def memory_limit_bytes(self) -> int:
@@ -489,3 +504,76 @@ class EnclaveService:
                 reply["dtype"] = state.gradient.dtype.newbyteorder("<").str
                 out.append(encode_array(state.gradient))
         return reply, out
+
+    # --- PPFL (Alg. 1) ------------------------------------------------------------------------------
+
+    def _layer_begin(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
+        stage, seed = _int(header, "stage"), _int(header, "seed")
+        specs_json = header.get("specs")
+        if not isinstance(specs_json, list):
+            raise CodecError("request field 'specs' must list the layer's parameter specs")
+        specs = [ParamSpec.from_json(v) for v in specs_json]
+        total = sum(spec.size for spec in specs)
+        self._check_fits(8 * total, f"layer stage {stage} of {total} values")
+        count = self._layers.begin(stage, specs, seed)
+        meter.hold(size + 4 * count)
+        return {"ok": True, "stage": stage, "size": count}, []
+
+    def _layer_broadcast(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
+        rnd, stage = _int(header, "round"), _int(header, "stage")
+        clients = header.get("clients")
+        if not isinstance(clients, list) or len(set(clients)) != len(clients):
+            raise CodecError("request field 'clients' must list distinct client ids")
+        kept = header.get("kept")
+        if type(kept) is not bool:
+            raise CodecError(f"request field 'kept' is {kept!r}, expected a bool")
+        if kept:
+            if self._layers.kept is None or self._layers.stage != stage:
+                raise ValidationError(f"no tail of layer stage {stage} is kept inside the enclave")
+            values = self._layers.kept
+        else:
+            values = self._layers.current(stage)
+        plaintext = encode_array(values)
+        self._check_fits(
+            len(plaintext) + len(clients) * (len(plaintext) + RECORD_OVERHEAD),
+            f"sealing {values.size} values to {len(clients)} clients",
+        )
+        out = []
+        for cid in clients:
+            channel = self._sessions.get(check_client_id(cid))
+            if channel is None:
+                raise ValidationError(f"client {cid!r} has no session: it must attest the enclave first")
+            out.append(channel.seal(MODEL, rnd, 0, plaintext))
+        return {"ok": True, "clients": clients}, out
+
+    def _layer_aggregate(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
+        rnd, stage = _int(header, "round"), _int(header, "stage")
+        clients = _clients(header, len(blobs))
+        num_samples = header.get("num_samples")
+        if (
+            not isinstance(num_samples, list)
+            or len(num_samples) != len(clients)
+            or any(type(k) is not int or not 0 < k < 2**53 for k in num_samples)
+        ):
+            raise CodecError("request field 'num_samples' must list one positive int per client")
+        weighted = header.get("weighted")
+        if type(weighted) is not bool:
+            raise CodecError(f"request field 'weighted' is {weighted!r}, expected a bool")
+        theta = self._layers.current(stage)
+        sealed_total = sum(b.nbytes for b in blobs)
+        self._check_fits(
+            size + sealed_total + 8 * (theta.size + 1), f"averaging {len(clients)} layer updates"
+        )
+        updates, rejected = self._open_records(clients, blobs, kind=UPDATE, rnd=rnd, attempt=0, ndim=1)
+        meter.hold(size + sealed_total + 8 * (theta.size + 1))
+        more, loss = self._layers.average(
+            stage, rnd, updates, dict(zip(clients, num_samples, strict=True)), weighted=weighted
+        )
+        rejected.update(more)
+        accepted = [c for c in clients if c in updates and c not in more]
+        return {"ok": True, "clients": accepted, "rejected": rejected, "loss": loss}, []
+
+    def _layer_release(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
+        stage, keep = _int(header, "stage"), _int(header, "keep")
+        released = self._layers.release(stage, keep)
+        return {"ok": True, "stage": stage, "kept": keep}, [encode_array(released)]

@@ -52,7 +52,7 @@ from fedveil.protocols.messages import (
     SessionOffer,
     SessionReady,
 )
-from fedveil.protocols.registration import register_clients
+from fedveil.protocols.registration import attest_clients, register_clients
 from fedveil.protocols.settings import FDMLConfig
 
 log = logging.getLogger(__name__)
@@ -315,29 +315,7 @@ class FDMLServer:
         """
         groups, regs = await register_clients(comm, "fdml", group_by=group_by, timeout=timeout)
         if self.enclave.attested:
-            offers = {}
-            for cid, reg in regs.items():
-                if reg.hello is None:
-                    log.info(
-                        "device %s registered without an attestation hello; it will not be selected", cid
-                    )
-                    continue
-                try:
-                    offers[cid] = SessionOffer(self.enclave.open_session(reg.hello))
-                except FedveilError as exc:
-                    log.info("enclave refused the hello of device %s: %s", cid, exc)
-
-            def ready(cid: ClientId, msg: SessionReady) -> None:
-                expect(msg.protocol == "fdml", f"session for protocol {msg.protocol!r}, expected 'fdml'")
-
-            done = await comm.request(
-                offers,
-                phase="attest",
-                min_replies=len(offers),
-                timeout=timeout,
-                expected=SessionReady,
-                validate=ready,
-            )
+            done = await attest_clients(comm, self.enclave.open_session, regs, "fdml", timeout=timeout)
             groups = {g: [c for c in members if c in done] for g, members in groups.items()}
             groups = {g: members for g, members in groups.items() if members}
             if not groups:

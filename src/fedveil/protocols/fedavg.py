@@ -86,16 +86,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FitResult:
-    """One client's upload as the aggregation hook sees it (decoded and validated)."""
+    """One client's upload as the aggregation hook sees it (decoded and validated): its ``weights``, or,
+    when the update travels encrypted to an enclave, the opaque ``record`` (and no weights)."""
 
-    weights: np.ndarray
+    weights: np.ndarray | None
     num_samples: int
     loss: float | None = None
+    record: bytes | None = None
 
 
 Select = Callable[[int, np.random.Generator], list[ClientId]]
 Configure = Callable[[int, Sequence[ClientId], np.ndarray], dict[ClientId, object]]
-Aggregate = Callable[[int, Mapping[ClientId, FitResult], np.ndarray], np.ndarray]
+Aggregate = Callable[[int, Mapping[ClientId, FitResult], Any], Any]
 ReplyCheck = Callable[[ClientId, Any], None]
 
 
@@ -122,15 +124,19 @@ class FedAvgEngine:
     """The server's FedAvg round loop over a :class:`Communicator` (module docstring).
 
     ``weights`` is the vector the server keeps (flat float32). ``upload_index`` (default: all of it) says
-    which of its entries the clients upload and the aggregation replaces: PPFL's server aggregates only
-    the layer in training. Replies must be of ``reply_type`` and carry ``round``, ``num_samples`` (>= 1)
-    and ``weights`` (the uploaded entries), and may carry ``loss``; ``check`` adds a protocol's own
-    validation. A round with fewer than ``min_replies`` valid replies leaves the model unchanged.
+    which of its entries the clients upload and the aggregation replaces. Replies must be of
+    ``reply_type`` and carry ``round``, ``num_samples`` (>= 1) and ``weights`` (the uploaded entries),
+    and may carry ``loss``; ``check`` adds a protocol's own validation. A round with fewer than
+    ``min_replies`` valid replies leaves the model unchanged.
+
+    ``weights=None`` is a model the server's host never holds (PPFL's layer in training lives in the
+    server's enclave): ``configure`` then seals it to the cohort, replies carry an opaque ``record``
+    instead of weights, and ``aggregate`` averages inside the enclave and returns ``None``.
     """
 
     def __init__(
         self,
-        weights: np.ndarray,
+        weights: np.ndarray | None,
         rng: np.random.Generator,
         *,
         select: Select,
@@ -150,9 +156,11 @@ class FedAvgEngine:
             raise ConfigError(f"min_replies {min_replies!r} must be >= 1")
         if not timeout > 0:
             raise ConfigError(f"timeout {timeout!r} must be > 0 seconds")
-        self.current = np.array(weights, dtype=np.float32)
-        if self.current.ndim != 1:
+        self.current = None if weights is None else np.array(weights, dtype=np.float32)
+        if self.current is not None and self.current.ndim != 1:
             raise ConfigError(f"weights must be a flat vector, got shape {self.current.shape}")
+        if self.current is None and (upload_index is not None or server_lr != 1.0):
+            raise ConfigError("a model held in an enclave (weights=None) takes no upload_index or server_lr")
         self.rng = rng
         self.select = select
         self.configure = configure
@@ -165,13 +173,19 @@ class FedAvgEngine:
         self.check = check
         self.phase = phase
 
+    def _held(self) -> np.ndarray:
+        if self.current is None:
+            raise ConfigError("this engine's model is held in an enclave; the host has no weights")
+        return self.current
+
     @property
     def weights(self) -> np.ndarray:
         """The server's current vector (a copy)."""
-        return self.current.copy()
+        return self._held().copy()
 
     def _uploaded(self) -> np.ndarray:
-        return self.current if self.upload_index is None else self.current[self.upload_index]
+        current = self._held()
+        return current if self.upload_index is None else current[self.upload_index]
 
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The weights and the selection generator's state, for a resumed run."""
@@ -180,6 +194,7 @@ class FedAvgEngine:
     def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (shape checked)."""
         weights = np.array(arrays["weights"], dtype=np.float32)
+        self._held()
         if weights.shape != self.current.shape:
             raise ConfigError(f"checkpoint weights of shape {weights.shape}, model has {self.current.shape}")
         self.current = weights
@@ -190,11 +205,12 @@ class FedAvgEngine:
         before = comm.stats().copy()
         cohort = self.select(rnd, self.rng)
         msgs = self.configure(rnd, cohort, self.current)
-        shape = self._uploaded().shape
+        shape = None if self.current is None else self._uploaded().shape
 
         def check(cid: ClientId, msg: Any) -> None:
             expect(msg.round == rnd, f"reply for round {msg.round}, expected {rnd}")
-            expect(msg.weights.shape == shape, f"weights of shape {msg.weights.shape}, expected {shape}")
+            if shape is not None:
+                expect(msg.weights.shape == shape, f"weights of shape {msg.weights.shape}, expected {shape}")
             expect(msg.num_samples >= 1, f"num_samples {msg.num_samples} must be >= 1")
             if self.check is not None:
                 self.check(cid, msg)
@@ -211,9 +227,18 @@ class FedAvgEngine:
         loss = None
         if applied:
             results = {
-                c: FitResult(np.asarray(m.weights), int(m.num_samples), getattr(m, "loss", None))
+                c: FitResult(
+                    None if shape is None else np.asarray(m.weights),
+                    int(m.num_samples),
+                    getattr(m, "loss", None),
+                    getattr(m, "record", None),
+                )
                 for c, m in replies.items()
             }
+            if shape is None:
+                self.aggregate(rnd, results, None)
+                report = RoundReport(rnd, applied, None, 1, len(msgs), len(replies))
+                return fill_traffic(report, before, comm.stats())
             current = self._uploaded()
             new = np.asarray(self.aggregate(rnd, results, current), dtype=np.float32)
             if self.server_lr != 1.0:

@@ -104,22 +104,63 @@ def _step(
     return p - lr * update, state
 
 
+def _step_inplace(
+    opt: LocalOptimizer,
+    lr: float,
+    t: int,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: tuple[torch.Tensor, ...],
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`_step` computed in place in ``p``, ``g`` and the state: the same operations in the same
+    order (so bit-identical results), holding the parameters, gradient, optimizer state and one
+    temporary instead of a new copy of each (a TEE's memory, PPFL)."""
+    with torch.no_grad():
+        if opt.weight_decay:
+            g.add_(opt.weight_decay * p)
+        if opt.name == "sgd":
+            if opt.momentum:
+                update = g if t == 1 else state[0].mul_(opt.momentum).add_(g)
+                state = (update,)
+            else:
+                update = g
+        else:
+            b1, b2 = opt.betas
+            m = g.mul(1 - b1) if t == 1 else state[0].mul_(b1).add_((1 - b1) * g)
+            v = ((1 - b2) * g).mul_(g) if t == 1 else state[1].mul_(b2).add_((1 - b2) * g * g)
+            state = (m, v)
+            bias1, bias2 = 1 - b1**t, 1 - b2**t
+            update = (m / bias1) / ((v / bias2).sqrt() + opt.eps)
+        if mask is not None:
+            update = update * mask
+        p.sub_(lr * update)
+    return p, state
+
+
 def _loop(
     step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     p: torch.Tensor,
     batches: Sequence[tuple[torch.Tensor, ...]],
     opt: LocalOptimizer,
-    lr: float,
+    lr: float | Sequence[float],
     mask: torch.Tensor | None,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local-training loop over ``step`` (gradient and loss; plain or vmapped): params, mean loss."""
+    """The local-training loop over ``step`` (gradient and loss; plain or vmapped): params, mean loss.
+
+    ``lr`` is one rate for every step, or one rate per step (a schedule within the round, e.g. PPFL's
+    per-epoch decay)."""
     if not batches:
         raise ConfigError("local training needs at least one mini-batch")
+    rates = [float(lr)] * len(batches) if isinstance(lr, (int, float)) else [float(r) for r in lr]
+    if len(rates) != len(batches):
+        raise ConfigError(f"{len(rates)} learning rates for {len(batches)} mini-batches")
     state: tuple[torch.Tensor, ...] = ()
     losses = []
     for t, batch in enumerate(batches, start=1):
         g, value = step(p, *batch)
-        p, state = _step(opt, lr, t, p, g, state, mask)
+        p, state = (_step_inplace if inplace else _step)(opt, rates[t - 1], t, p, g, state, mask)
         losses.append(value)
     return p, torch.stack(losses).mean(dim=0)
 
@@ -129,16 +170,19 @@ def local_train(
     p: torch.Tensor,
     batches: Sequence[tuple[torch.Tensor, ...]],
     opt: LocalOptimizer,
-    lr: float,
+    lr: float | Sequence[float],
     mask: torch.Tensor | None = None,
+    *,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One client's local training: a step of ``opt`` on each batch in order.
 
     ``p`` is the flat parameter vector received, ``batches`` the mini-batches (tuples of the loss's
-    arguments after the parameters), ``lr`` this round's rate. Returns the trained parameters and the
-    mean training loss over the steps.
+    arguments after the parameters), ``lr`` this round's rate (or one per step). Returns the trained
+    parameters and the mean training loss over the steps. ``inplace=True`` trains ``p`` itself (the
+    caller hands it over) with in-place steps, bit-identical and lighter on memory.
     """
-    return _loop(grad_and_value(loss), p, batches, opt, lr, mask)
+    return _loop(grad_and_value(loss), p, batches, opt, lr, mask, inplace)
 
 
 def local_train_cohort(
@@ -146,7 +190,7 @@ def local_train_cohort(
     p: torch.Tensor,
     batches: Sequence[tuple[torch.Tensor, ...]],
     opt: LocalOptimizer,
-    lr: float,
+    lr: float | Sequence[float],
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`local_train` for ``K`` clients at once: ``p`` is ``(K, P)``, each batch tensor ``(K, ...)``.

@@ -1,4 +1,5 @@
-"""The untrusted host side of the FDML enclave: it starts the enclave and relays opaque bytes.
+"""The untrusted host side of the enclave (FDML's and PPFL's): it starts the enclave and relays opaque
+bytes.
 
 FDML Sec. V-A: the cloud controller runs the enclave but "cannot access the participants' embeddings
 and local gradients". :class:`EnclaveHost` is what the FDML server calls. It never sees a key or a
@@ -39,6 +40,7 @@ import numpy as np
 
 from fedveil.core.attestation_verify import ServerHello
 from fedveil.enclave.channel import RECORD_OVERHEAD, check_client_id, decode_array, pack_frame, unpack_frame
+from fedveil.enclave.layerwise import ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
 from fedveil.enclave.service import FRAME_SLACK_BYTES, SESSION_BYTES, EnclaveMemoryError, EnclaveService
 from fedveil.errors import CodecError, ConfigError, FedveilError, ValidationError
@@ -189,6 +191,18 @@ class AggregateResult:
     accepted: list[str]
     rejected: dict[str, str]
     batches: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class LayerAggregateResult:
+    """A PPFL round's averaging as the host sees it: the clients whose updates were ``accepted``, those
+    ``rejected`` (with the reason), the clients' mean training ``loss`` (``None`` if none was
+    accepted: the layer is then unchanged) and the enclave's ``peak_bytes``."""
+
+    accepted: list[str]
+    rejected: dict[str, str]
+    loss: float | None
     peak_bytes: int
 
 
@@ -345,3 +359,58 @@ class EnclaveHost:
             if final and out:
                 gradient = np.array(decode_array(out[0], dtype=head["dtype"], ndim=1))
         return AggregateResult(gradient, accepted, rejected, len(batches), peak)
+
+    # --- PPFL (Alg. 1; fedveil.enclave.layerwise) ------------------------------------------------------
+
+    def layer_begin(self, stage: int, specs: Sequence[ParamSpec], seed: int) -> int:
+        """Initialise layer stage ``stage`` inside the enclave from its parameter ``specs`` (the host
+        never sees the values); returns its number of values."""
+        head, _ = self._call(
+            {"op": "layer_begin", "stage": stage, "seed": seed, "specs": [s.to_json() for s in specs]}, []
+        )
+        return int(head["size"])
+
+    def layer_broadcast(
+        self, rnd: int, stage: int, clients: Sequence[str], *, kept: bool = False
+    ) -> dict[str, bytes]:
+        """The layer in training (or, with ``kept``, the tail kept inside after it) sealed to each of
+        ``clients`` for round ``rnd``: one opaque ``model`` record per client."""
+        names = [check_client_id(c) for c in clients]
+        head, out = self._call(
+            {"op": "layer_broadcast", "round": rnd, "stage": stage, "clients": names, "kept": kept}, []
+        )
+        return {c: bytes(b) for c, b in zip(head["clients"], out, strict=True)}
+
+    def layer_aggregate(
+        self,
+        rnd: int,
+        stage: int,
+        sealed: Mapping[str, bytes],
+        num_samples: Mapping[str, int],
+        *,
+        weighted: bool = False,
+    ) -> LayerAggregateResult:
+        """Open the clients' sealed updates and average them inside (Alg. 1); only the mean training
+        loss comes out."""
+        if set(sealed) != set(num_samples):
+            raise ValidationError("layer_aggregate: sealed updates and num_samples name different clients")
+        clients = [check_client_id(c) for c in sealed]
+        head, _ = self._call(
+            {
+                "op": "layer_aggregate",
+                "round": rnd,
+                "stage": stage,
+                "clients": clients,
+                "num_samples": [int(num_samples[c]) for c in clients],
+                "weighted": weighted,
+            },
+            [sealed[c] for c in clients],
+        )
+        return LayerAggregateResult(
+            list(head["clients"]), dict(head["rejected"]), head["loss"], head["peak_bytes"]
+        )
+
+    def layer_release(self, stage: int, *, keep: int = 0) -> np.ndarray:
+        """End ``stage``: the trained layer released to the REE, but for its last ``keep`` values."""
+        _, out = self._call({"op": "layer_release", "stage": stage, "keep": keep}, [])
+        return np.array(decode_array(out[0], dtype="<f4", ndim=1))

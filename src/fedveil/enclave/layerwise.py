@@ -1,0 +1,176 @@
+"""PPFL's server TEE (004_f28ec6505072f6a8.txt, Alg. 1): the layer under training lives here.
+
+For each layer (or block of layers) ``l`` the server's enclave
+
+1. initialises ``theta_l`` (the layer and the classifier the clients train atop it) *inside*, from the
+   parameter shapes and PyTorch's default initialisation rule (:class:`ParamSpec`), with a generator
+   seeded at :meth:`LayerwiseState.begin` (a seed fixed by the experiment, so runs repeat; the values
+   never leave the enclave unsealed);
+2. each round seals ``theta_l`` to every selected client's TEE (records of kind ``model``, bound to the
+   round; a client session's channel, :mod:`fedveil.enclave.channel`);
+3. opens the clients' sealed updates (kind ``update``: ``theta_l^(j)`` followed by the client's mean
+   training loss), checks each one's length and finiteness, and replaces ``theta_l`` by their average:
+   ``theta_l = 1 / size(J) * sum_j theta_l^(j)`` (Alg. 1, "FedAvg with Secure Aggregation ... in TEE"),
+   or the sample-weighted average when asked;
+4. after the layer's last round releases ``theta_l^0`` to the REE (Alg. 1, "Save theta_l from TEE as
+   theta_l^0 in REE"), optionally keeping a tail of it inside (the classifier atop the last layer, PPFL
+   Sec. 4.1's defence against membership inference on the last layer).
+
+Rounds are numbered across the whole run (layer after layer), so a record sealed for one layer's round
+can never be opened as another's. Numpy only: the enclave process does not import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedveil.errors import CodecError, ValidationError
+
+INITS = ("uniform", "zeros", "ones")
+MAX_SPEC_PARAMS = 2**31
+"""A layer + classifier of more than 2**31 values is refused (8 GiB of float32, beyond any TEE)."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor of ``theta_l``: its ``shape`` and initialisation ``init``.
+
+    ``uniform`` draws from ``U(-bound, bound)``: PyTorch's default for ``Conv2d`` / ``Linear`` weights
+    (Kaiming-uniform with ``a = sqrt(5)``) and biases, both ``bound = 1 / sqrt(fan_in)``. ``zeros`` and
+    ``ones`` are BatchNorm's shift and scale.
+    """
+
+    shape: tuple[int, ...]
+    init: str = "uniform"
+    bound: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise CodecError(f"parameter init {self.init!r} is not one of {', '.join(INITS)}")
+        if not all(type(d) is int and d >= 1 for d in self.shape):
+            raise CodecError(f"parameter shape {self.shape!r} must be positive ints")
+        if not (math.isfinite(self.bound) and self.bound >= 0):
+            raise CodecError(f"uniform bound {self.bound!r} must be finite and >= 0")
+
+    @property
+    def size(self) -> int:
+        """Number of values."""
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict[str, object]:
+        """The spec as the enclave request header carries it."""
+        return {"shape": list(self.shape), "init": self.init, "bound": self.bound}
+
+    @classmethod
+    def from_json(cls, value: object) -> ParamSpec:
+        """Parse one header entry; :class:`CodecError` names what is wrong."""
+        if not isinstance(value, dict) or sorted(value) != ["bound", "init", "shape"]:
+            raise CodecError(f"parameter spec {value!r} must have exactly shape, init and bound")
+        shape, bound = value["shape"], value["bound"]
+        if not isinstance(shape, list) or not shape or len(shape) > 8:
+            raise CodecError(f"parameter shape {shape!r} must be a list of 1 to 8 ints")
+        if type(bound) not in (int, float):
+            raise CodecError(f"uniform bound {bound!r} must be a number")
+        return cls(tuple(shape), str(value["init"]), float(bound))
+
+
+def initialise(specs: Sequence[ParamSpec], rng: np.random.Generator) -> np.ndarray:
+    """``theta_l`` as one flat float32 vector, each tensor drawn by its spec, in order."""
+    parts = []
+    for spec in specs:
+        if spec.init == "uniform":
+            parts.append(rng.uniform(-spec.bound, spec.bound, spec.size).astype(np.float32))
+        else:
+            parts.append(np.full(spec.size, 0.0 if spec.init == "zeros" else 1.0, dtype=np.float32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+class LayerwiseState:
+    """The PPFL layer the enclave trains (module docstring): begin, seal, average, release."""
+
+    def __init__(self) -> None:
+        self.stage: int | None = None
+        self.theta: np.ndarray | None = None
+        self.kept: np.ndarray | None = None
+        self.last_round = -1
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the layer in training and any kept tail."""
+        return sum(a.nbytes for a in (self.theta, self.kept) if a is not None)
+
+    def begin(self, stage: int, specs: Sequence[ParamSpec], seed: int) -> int:
+        """Initialise ``theta_l`` of ``stage`` inside; returns its number of values."""
+        if self.stage is not None and stage <= self.stage:
+            raise ValidationError(
+                f"layer stage {stage} does not follow stage {self.stage}: stages only advance"
+            )
+        total = sum(s.size for s in specs)
+        if not specs or total > MAX_SPEC_PARAMS:
+            raise ValidationError(f"a layer of {total} values: need 1 to {MAX_SPEC_PARAMS}")
+        self.stage = stage
+        self.theta = initialise(specs, np.random.default_rng([seed, stage]))
+        self.kept = None
+        return total
+
+    def current(self, stage: int) -> np.ndarray:
+        """``theta_l`` of ``stage`` (the stage must be the one in training)."""
+        if self.theta is None or self.stage != stage:
+            raise ValidationError(
+                f"layer stage {stage} is not in training (the enclave holds stage {self.stage})"
+            )
+        return self.theta
+
+    def check_round(self, rnd: int) -> None:
+        """Rounds only advance over the whole run, so no record is valid in two rounds."""
+        if rnd <= self.last_round:
+            raise ValidationError(f"round {rnd} is not after round {self.last_round}: rounds only advance")
+
+    def average(
+        self,
+        stage: int,
+        rnd: int,
+        updates: Mapping[str, np.ndarray],
+        num_samples: Mapping[str, int],
+        *,
+        weighted: bool,
+    ) -> tuple[dict[str, str], float | None]:
+        """Replace ``theta_l`` by the average of the valid ``updates`` (each ``theta_l^(j)`` then the
+        client's mean loss). Returns the rejected clients with reasons, and the clients' mean loss."""
+        theta = self.current(stage)
+        self.check_round(rnd)
+        rejected: dict[str, str] = {}
+        good: dict[str, np.ndarray] = {}
+        for cid, values in updates.items():
+            if values.shape != (theta.size + 1,):
+                rejected[cid] = (
+                    f"ValidationError: update of {values.shape[0]} values, expected {theta.size + 1}"
+                )
+            elif not np.isfinite(values).all():
+                rejected[cid] = "ValidationError: update contains NaN or infinity"
+            else:
+                good[cid] = values
+        if not good:
+            return rejected, None
+        w = np.array([num_samples[c] if weighted else 1 for c in good], dtype=np.float64)
+        w /= w.sum()
+        total = np.zeros(theta.size + 1, dtype=np.float64)
+        for weight, values in zip(w, good.values(), strict=True):
+            total += weight * values
+        self.theta = total[:-1].astype(np.float32)
+        self.last_round = rnd
+        return rejected, float(total[-1])
+
+    def release(self, stage: int, keep: int) -> np.ndarray:
+        """End ``stage``: return ``theta_l^0`` for the REE, all but its last ``keep`` values, which stay
+        inside (PPFL Sec. 4.1)."""
+        theta = self.current(stage)
+        if not 0 <= keep <= theta.size:
+            raise ValidationError(f"keep {keep} values of a layer of {theta.size}")
+        self.kept = theta[theta.size - keep :].copy() if keep else None
+        self.theta = None
+        return theta[: theta.size - keep].copy()
