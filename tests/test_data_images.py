@@ -193,3 +193,13 @@ def test_dataset_names_and_data_info(capsys, monkeypatch) -> None:
     names = [d["name"] for d in report["found"]]
     assert ("fashion-mnist" in names) == installed
     assert (report["hint"] is None) == installed
+
+
+def test_sized_synthetic_stand_in_by_name() -> None:
+    from fedveil.data.images import load_image_dataset
+
+    train = load_image_dataset("synthetic-fashion-mnist:60", "train")
+    test = load_image_dataset("synthetic-fashion-mnist:60", "test")
+    assert (len(train), len(test)) == (60, 10) and train.synthetic
+    with pytest.raises(ConfigError, match="training size after ':' must be an integer >= 6"):
+        load_image_dataset("synthetic-fashion-mnist:x", "train")

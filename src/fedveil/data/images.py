@@ -61,7 +61,14 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 FASHION_MNIST_DIRS = ("/usr/share/datasets/fashion-mnist",)
 """Where Debian's ``dataset-fashion-mnist`` installs its files."""
 INSTALL_HINT = "apt-get install dataset-fashion-mnist"
-DATASET_NAMES = ("fashion-mnist", "synthetic-fashion-mnist", "mnist", "cifar10", "folder:<path>")
+DATASET_NAMES = (
+    "fashion-mnist",
+    "synthetic-fashion-mnist",
+    "synthetic-fashion-mnist:<train size>",
+    "mnist",
+    "cifar10",
+    "folder:<path>",
+)
 _CIFAR_RECORD = 1 + 3 * 32 * 32
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
@@ -362,7 +369,8 @@ def fashion_mnist(
 def load_image_dataset(
     name: str, split: str, *, root: str | Path | None = None, allow_synthetic: bool = True, seed: int = 0
 ) -> ImageData:
-    """A data set by name: ``fashion-mnist`` (real, or the labelled stand-in), ``synthetic-fashion-mnist``,
+    """A data set by name: ``fashion-mnist`` (real, or the labelled stand-in), ``synthetic-fashion-mnist``
+    (60,000 / 10,000 stand-in images; ``synthetic-fashion-mnist:N`` for N / N // 6, small runs),
     ``mnist`` and ``cifar10`` (from ``root`` or ``$FEDVEIL_DATA_DIR/mnist``, ``.../cifar-10-batches-bin``;
     no stand-in), or ``folder:<path>``."""
     env = os.environ.get("FEDVEIL_DATA_DIR")
@@ -370,6 +378,12 @@ def load_image_dataset(
         return fashion_mnist(split, root=root, allow_synthetic=allow_synthetic, seed=seed)
     if name == "synthetic-fashion-mnist":
         return synthetic_fashion_mnist(60000 if split == "train" else 10000, seed=seed, split=split)
+    if name.startswith("synthetic-fashion-mnist:"):
+        size = name.partition(":")[2]
+        if not size.isdigit() or int(size) < 6:
+            raise ConfigError(f"data set {name!r}: the training size after ':' must be an integer >= 6")
+        n = int(size)
+        return synthetic_fashion_mnist(n if split == "train" else max(1, n // 6), seed=seed, split=split)
     if name in ("mnist", "cifar10"):
         sub = "mnist" if name == "mnist" else "cifar-10-batches-bin"
         where = Path(root) if root is not None else (Path(env) / sub if env else None)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from fedveil.data.federated import FederatedDataset
 from fedveil.data.images import ImageData, load_image_dataset
 from fedveil.data.partition import partition, to_federated
 from fedveil.errors import ConfigError
@@ -24,7 +25,7 @@ from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer, ParameterPlan
 from fedveil.runtime.simulation import SimulationRuntime
 
-__all__ = ["FedAvgRun", "TrainedFedAvg", "train_fedavg"]
+__all__ = ["FedAvgRun", "ImageSplit", "TrainedFedAvg", "split_images", "train_fedavg"]
 
 
 @dataclass(frozen=True)
@@ -76,19 +77,25 @@ class TrainedFedAvg:
         return module.eval()
 
 
-def train_fedavg(
-    run: FedAvgRun,
-    *,
-    tap: Callable[[str, bytes], None] | None = None,
-    progress: bool = True,
-    plan: Callable[[FlatModel], ParameterPlan] | None = None,
-    avoid: np.ndarray | None = None,
-) -> TrainedFedAvg:
-    """Train ``run`` in simulation and return the model, data splits and evaluation history.
+@dataclass
+class ImageSplit:
+    """The data of an image FedAvg experiment: the ``train`` and ``test`` sets as loaded, the ``members``
+    (the clients' examples, split into ``data`` by the run's scheme), unused training examples
+    (``non_members``) and the test subset, with the training-split indices of members and non-members."""
 
-    ``avoid`` lists training-split indices that must be neither members nor non-members (a control model
-    trained on data disjoint from another run's candidates, :attr:`TrainedFedAvg.candidate_index`).
-    """
+    train: ImageData
+    members: ImageData
+    non_members: ImageData
+    test: ImageData
+    data: FederatedDataset
+    member_index: np.ndarray
+    non_member_index: np.ndarray
+
+
+def split_images(run: FedAvgRun, *, avoid: np.ndarray | None = None) -> ImageSplit:
+    """Load ``run.data`` and draw the clients' examples, the non-members and the test subset (seeded by
+    ``run.seed``; ``avoid``: training indices to leave out). Every image experiment splits this way, so
+    two systems trained with the same settings see the same clients."""
     rng = np.random.default_rng(run.seed)
     train = load_image_dataset(run.data, "train", seed=run.seed)
     test = load_image_dataset(run.data, "test", seed=run.seed)
@@ -108,6 +115,27 @@ def train_fedavg(
     test = test.subset(np.sort(rng.permutation(len(test))[: min(len(test), run.test_samples)]))
     parts = partition(members.y, run.scheme, run.clients, rng)
     data = to_federated(members, parts)
+    return ImageSplit(train, members, non_members, test, data, member_index, non_member_index)
+
+
+def train_fedavg(
+    run: FedAvgRun,
+    *,
+    tap: Callable[[str, bytes], None] | None = None,
+    progress: bool = True,
+    plan: Callable[[FlatModel], ParameterPlan] | None = None,
+    avoid: np.ndarray | None = None,
+    split: ImageSplit | None = None,
+) -> TrainedFedAvg:
+    """Train ``run`` in simulation and return the model, data splits and evaluation history.
+
+    ``avoid`` lists training-split indices that must be neither members nor non-members (a control model
+    trained on data disjoint from another run's candidates, :attr:`TrainedFedAvg.candidate_index`);
+    ``split`` is the data already split by :func:`split_images` for ``run`` (not loaded again).
+    """
+    split = split_images(run, avoid=avoid) if split is None else split
+    members, non_members, test, data = split.members, split.non_members, split.test, split.data
+    member_index, non_member_index, train = split.member_index, split.non_member_index, split.train
     torch.manual_seed(run.seed)
     module = build_model(
         run.model,

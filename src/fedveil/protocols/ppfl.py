@@ -692,7 +692,7 @@ class PpflServer:
         need = min(self.cfg.min_clients, self.cfg.clients_per_round or self.cfg.min_clients)
         largest = max((self.tee_bytes[c] for c in self.members), default=0)
         for memory, stage in zip(self.memory, self.stages, strict=True):
-            eligible = len(self._eligible(memory))
+            eligible = len(self.eligible(memory))
             if eligible < need:
                 raise ConfigError(
                     f"stage {stage.index} (layer units {list(stage.units)}) needs S_l = {memory.total} bytes "
@@ -700,7 +700,8 @@ class PpflServer:
                     f"{len(self.members)} devices have more (need {need}); the largest TEE is {largest} bytes"
                 )
 
-    def _eligible(self, memory: TeeMemory) -> list[ClientId]:
+    def eligible(self, memory: TeeMemory) -> list[ClientId]:
+        """The members whose TEE holds more than the stage needs (Alg. 1: ``S^(n) > S_l``)."""
         return [c for c in self.members if self.tee_bytes[c] > memory.total]
 
     async def _evaluate(self, comm: Communicator, stage: int, *, kept: bool = False) -> dict[str, float]:
@@ -749,7 +750,7 @@ class PpflServer:
     ) -> StageReport:
         """One stage of Alg. 1: ``theta_l`` initialised in the enclave, then FedAvg rounds through it."""
         cfg = self.cfg
-        eligible = self._eligible(memory)
+        eligible = self.eligible(memory)
         report = StageReport(stage.index, stage.units, memory, len(eligible))
         self.reports.append(report)
         self.enclave.layer_begin(stage.index, param_specs(net), cfg.seed)

@@ -1,0 +1,112 @@
+"""``fedveil ppfl run CONFIG``: PPFL's greedy layer-wise training in emulated TEEs (004_f28ec6505072f6a8.txt).
+
+- ``fedveil ppfl run CONFIG [--out DIR] [--rounds N] [--seed S] [--threads T] [--no-e2e] [--json]
+  [--no-progress]``
+  trains PPFL (and end-to-end FedAvg over the same total rounds), writes the run directory
+  (:func:`fedveil.experiments.ppfl_runner.run_ppfl`) and prints the per-layer summary.
+- ``fedveil ppfl memory [--model M] [--batch-size B] [--data D] [--json]`` prints ``S_l`` per stage
+  (parameters, gradients, optimizer, activations) and the measured peak of the same training steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``ppfl`` command with its ``run`` and ``memory`` actions."""
+    p = subparsers.add_parser("ppfl", help="PPFL: layer-wise federated training in client and server TEEs")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    r = actions.add_parser("run", help="train PPFL (and the E2E FedAvg baseline); write a run directory")
+    r.add_argument("config", type=Path, help="YAML settings, e.g. configs/ppfl/small.yaml")
+    r.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<name>)")
+    r.add_argument("--rounds", type=int, default=None, help="rounds per layer (overrides the config)")
+    r.add_argument("--seed", type=int, default=None, help="seed of data, model and protocol")
+    r.add_argument("--no-e2e", action="store_true", help="skip the end-to-end FedAvg baseline")
+    r.add_argument("--threads", type=int, default=None, help="torch threads (overrides the config)")
+    r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m = actions.add_parser("memory", help="S_l per layer stage: the TEE memory model and the measured peak")
+    m.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+    m.add_argument(
+        "--data", default="fashion-mnist", choices=("fashion-mnist", "cifar10"), help="input shape"
+    )
+    m.add_argument("--batch-size", type=int, default=16, help="batch size (default 16, PPFL Sec. 6.2)")
+    m.add_argument("--block-size", type=int, default=1, help="layers per stage (default 1)")
+    m.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from fedveil.models.zoo import build_model
+    from fedveil.protocols.ppfl import (
+        PpflConfig,
+        measure_tee_memory,
+        plan_stages,
+        stage_input_shape,
+        stage_net,
+        tee_memory,
+    )
+
+    channels, side = (1, 28) if args.data == "fashion-mnist" else (3, 32)
+    model = build_model(args.model, num_classes=10, in_channels=channels, image_size=side)
+    opt = PpflConfig().optimizer()
+    rows = []
+    for stage in plan_stages(model, args.block_size):
+        net, shape = stage_net(model, stage), stage_input_shape(model, stage)
+        row = tee_memory(net, shape, args.batch_size, opt, stage=stage.index).as_dict()
+        row["units"] = list(stage.units)
+        row["measured"] = measure_tee_memory(net, shape, args.batch_size, opt)
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{args.model} on {channels}x{side}x{side}, batch {args.batch_size} (MiB):")
+    print("stage  units     params  grads  optim  activ  S_l     measured")
+    for row in rows:
+        mib = {
+            k: row[k] / 2**20
+            for k in ("parameters", "gradients", "optimizer", "activations", "total", "measured")
+        }
+        print(
+            f"{row['stage']:>5}  {row['units']!s:<8}  {mib['parameters']:6.1f}  {mib['gradients']:5.1f}  "
+            f"{mib['optimizer']:5.1f}  {mib['activations']:5.1f}  {mib['total']:6.1f}  {mib['measured']:6.1f}"
+        )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch to the action; the work is in :mod:`fedveil.experiments.ppfl_runner`."""
+    if args.action == "memory":
+        return _memory(args)
+    from dataclasses import replace
+
+    from fedveil.experiments.ppfl_runner import load_ppfl_run, run_ppfl
+
+    overrides: dict[str, Any] = {}
+    if args.seed is not None:
+        overrides["seed"] = args.seed
+    if args.no_e2e:
+        overrides["e2e"] = False
+    if args.threads is not None:
+        overrides["threads"] = args.threads
+    cfg = load_ppfl_run(args.config, overrides)
+    if args.rounds is not None:
+        cfg = replace(cfg, ppfl=replace(cfg.ppfl, rounds_per_stage=args.rounds))
+    out = args.out or Path("runs") / cfg.name
+    quiet = args.json
+    results = run_ppfl(cfg, out, progress=None if quiet else print, show_bar=not (quiet or args.no_progress))
+    if args.json:
+        print(json.dumps(results, indent=2, sort_keys=True))
+        return 0
+    for stage in results["stages"]:
+        print(
+            f"layer stage {stage['stage']} (units {stage['units']}): {stage['rounds']} rounds, accuracy "
+            f"{stage['accuracy']}, S_l {stage['tee_bytes_needed'] / 2**20:.1f} MiB, "
+            f"{stage['eligible_devices']} devices eligible"
+        )
+    print(f"run directory: {out}")
+    return 0

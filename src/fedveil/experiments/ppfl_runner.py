@@ -1,0 +1,274 @@
+"""``fedveil ppfl run CONFIG``: a PPFL run (004_f28ec6505072f6a8.txt) beside end-to-end FedAvg, in a run
+directory.
+
+A YAML config names the data and model (as :class:`~fedveil.experiments.fedavg_images.FedAvgRun` does:
+the same clients, partition and test subset), the devices' TEE sizes, PPFL's settings
+(:class:`~fedveil.protocols.ppfl.PpflConfig`, the ``ppfl:`` block) and whether to train the end-to-end
+FedAvg baseline over the same total number of rounds (``e2e: true``, as Fig. 2 draws it). The run
+directory holds:
+
+- ``config.json``: the settings, as parsed;
+- ``memory.json``: ``S_l`` per stage (:class:`~fedveil.protocols.ppfl.TeeMemory`) and how many devices'
+  TEEs can hold it;
+- ``metrics.jsonl``: one line per PPFL round (stage, accuracy of layer + classifier on the test split,
+  training loss, bytes up and down, phase seconds), written as each round ends;
+- ``e2e.jsonl``: the baseline's rounds, when trained;
+- ``results.json``: the summary (final accuracy per stage, rounds, bytes, the baseline's accuracy);
+- ``accuracy.png``: test accuracy per round, one line per trained layer, and the baseline (Fig. 2).
+
+A run is short at the sizes that run here; an interrupted one is started again from the beginning
+(the layer in training lives in the enclave, which does not outlive its process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from tqdm import tqdm
+
+from fedveil.core.atomic import atomic_write
+from fedveil.data.federated import FederatedDataset, UserData
+from fedveil.errors import ConfigError
+from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
+from fedveil.experiments.plots import plot_series
+from fedveil.experiments.runner import device_sessions
+from fedveil.models.vision import LayerwiseNet
+from fedveil.models.zoo import build_model
+from fedveil.protocols.fedavg import ImageFedAvgConfig
+from fedveil.protocols.ppfl import HIKEY_TEE_BYTES, PpflClients, PpflConfig, PpflServer, plan_stages
+from fedveil.runtime.enclave_host import BOUNDARIES, EnclaveHost
+from fedveil.runtime.quoting import SimulatedPlatform
+from fedveil.runtime.simulation import SimulationRuntime
+
+__all__ = ["PpflRun", "load_ppfl_run", "run_ppfl"]
+
+EVALUATOR = "evaluator"
+
+
+@dataclass(frozen=True)
+class PpflRun:
+    """One PPFL experiment (module docstring). ``tee_mib`` lists the TEE sizes devices draw from
+    uniformly (one value: every device has it; default the HiKey 960's 16 MiB)."""
+
+    name: str = "ppfl"
+    data: str = "fashion-mnist"
+    model: str = "lenet"
+    clients: int = 10
+    samples_per_client: int = 100
+    scheme: str = "iid"
+    test_samples: int = 1000
+    seed: int = 0
+    tee_mib: tuple[float, ...] = (HIKEY_TEE_BYTES / 2**20,)
+    boundary: str = "inprocess"
+    e2e: bool = True
+    threads: int = 2
+    ppfl: PpflConfig = field(default_factory=PpflConfig)
+
+    def __post_init__(self) -> None:
+        if not self.tee_mib or any(not (isinstance(v, (int, float)) and v > 0) for v in self.tee_mib):
+            raise ConfigError(f"tee_mib {self.tee_mib!r} must list one or more sizes > 0 (MiB)")
+        if self.boundary not in BOUNDARIES:
+            raise ConfigError(f"boundary {self.boundary!r} is not one of {', '.join(BOUNDARIES)}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ConfigError(f"threads {self.threads!r} must be an integer >= 1")
+        self.images()
+
+    def images(self) -> FedAvgRun:
+        """The data and model settings as the image FedAvg experiments take them (same split)."""
+        return FedAvgRun(
+            data=self.data,
+            model=self.model,
+            clients=self.clients,
+            samples_per_client=self.samples_per_client,
+            scheme=self.scheme,
+            test_samples=self.test_samples,
+            rounds=1,
+            seed=self.seed,
+        )
+
+
+def _model(run: PpflRun, num_classes: int, channels: int, side: int) -> LayerwiseNet:
+    model = build_model(
+        run.model, num_classes=num_classes, in_channels=channels, image_size=side, seed=run.seed
+    )
+    if not isinstance(model, LayerwiseNet):
+        raise ConfigError(f"model {run.model!r} is not a layer-wise network")
+    return model
+
+
+def load_ppfl_run(path: str | Path, overrides: Mapping[str, Any] | None = None) -> PpflRun:
+    """Parse a YAML config (unknown keys are errors, named); ``overrides`` replace top-level keys."""
+    source = Path(path)
+    try:
+        raw = yaml.safe_load(source.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read the PPFL config {source}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: a PPFL config is a mapping of settings")
+    raw.update(overrides or {})
+    top = {f.name for f in fields(PpflRun)}
+    unknown = sorted(set(raw) - top)
+    if unknown:
+        raise ConfigError(f"{source}: unknown settings {unknown}; known: {sorted(top)}")
+    block = raw.pop("ppfl", None) or {}
+    if not isinstance(block, dict):
+        raise ConfigError(f"{source}: ppfl must be a mapping of PPFL settings")
+    known = {f.name for f in fields(PpflConfig)}
+    bad = sorted(set(block) - known)
+    if bad:
+        raise ConfigError(f"{source}: unknown ppfl settings {bad}; known: {sorted(known)}")
+    if "tee_mib" in raw:
+        value = raw["tee_mib"]
+        raw["tee_mib"] = tuple(value) if isinstance(value, list) else (value,)
+    try:
+        return PpflRun(**raw, ppfl=PpflConfig(**block))
+    except TypeError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _write_json(path: Path, value: Any) -> None:
+    atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+def run_ppfl(
+    run: PpflRun,
+    out_dir: str | Path,
+    *,
+    progress: Callable[[str], None] | None = None,
+    show_bar: bool = True,
+) -> dict[str, Any]:
+    """Train PPFL (and the end-to-end baseline), write the run directory, return ``results.json``."""
+    say = progress or (lambda _line: None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(run.threads)
+    plan_stages(_model(run, 10, 3, 32), run.ppfl.block_size)  # a bad block size fails before any loading
+    config = asdict(run)
+    split = split_images(run.images())
+    config["data_source"] = split.train.describe()
+    _write_json(out / "config.json", config)
+    say(split.train.describe())
+    shape = split.members.image_shape
+    model = _model(run, split.members.num_classes, shape[0], shape[1])
+    data = FederatedDataset([*split.data, UserData(EVALUATOR, {}, {"x": split.test.x, "y": split.test.y})])
+    draw = np.random.default_rng([run.seed, 7])
+    tee = {c: int(float(draw.choice(run.tee_mib)) * 2**20) for c in data.user_ids}
+    platform = SimulatedPlatform.generate()
+    cfg = run.ppfl
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.write_text("")
+    with EnclaveHost.start(platform=platform, boundary=run.boundary) as host:
+        sessions = device_sessions(data.user_ids, platform.public_key, host.measurement)
+        pool = PpflClients(
+            model,
+            data,
+            optimizer=cfg.optimizer(),
+            seed=run.seed,
+            block_size=cfg.block_size,
+            sessions=sessions,
+            tee_bytes=tee,
+            evaluators=[EVALUATOR],
+        )
+        runtime = SimulationRuntime(pool, rng=np.random.default_rng(run.seed + 1))
+        server = PpflServer(model, cfg, host, np.random.default_rng(run.seed + 2))
+        bar = tqdm(
+            total=len(server.stages) * cfg.rounds_per_stage, unit="round", desc=run.name, disable=not show_bar
+        )
+
+        def record(line: dict[str, Any]) -> None:
+            with metrics_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(line, sort_keys=True) + "\n")
+            bar.update(1)
+            if "accuracy" in line:
+                bar.set_postfix(layer=line["stage"], acc=f"{line['accuracy']:.3f}")
+
+        start = time.perf_counter()
+
+        async def go() -> None:
+            await server.setup(runtime)
+            _write_json(
+                out / "memory.json",
+                [
+                    {**m.as_dict(), "eligible": len(server.eligible(m)), "devices": len(server.members)}
+                    for m in server.memory
+                ],
+            )
+            await server.train(runtime, progress=record)
+            if cfg.keep_classifier_in_tee:
+                final.update(await server.evaluate_kept(runtime))
+
+        final: dict[str, float] = {}
+        try:
+            asyncio.run(go())
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - start
+    lines = [line for r in server.reports for line in r.rounds]
+    results: dict[str, Any] = {
+        "name": run.name,
+        "data": split.train.describe(),
+        "synthetic_data": split.train.synthetic,
+        "model": run.model,
+        "stages": [
+            {
+                "stage": r.stage,
+                "units": list(r.units),
+                "tee_bytes_needed": r.memory.total,
+                "eligible_devices": r.eligible,
+                "rounds": len(r.rounds),
+                "accuracy": r.rounds[-1].get("accuracy") if r.rounds else None,
+                "stopped": r.stopped or "rounds",
+            }
+            for r in server.reports
+        ],
+        "rounds": len(lines),
+        "bytes_up": sum(line["bytes_up"] for line in lines),
+        "bytes_down": sum(line["bytes_down"] for line in lines),
+        "final_accuracy": final.get("accuracy", lines[-1].get("accuracy") if lines else None),
+        "seconds": seconds,
+    }
+    say(f"PPFL: {len(lines)} rounds in {seconds:.0f} s, final accuracy {results['final_accuracy']}")
+    series = {
+        f"PPFL layer {r.stage + 1}": [
+            (line["round"], line["accuracy"]) for line in r.rounds if "accuracy" in line
+        ]
+        for r in server.reports
+    }
+    if run.e2e:
+        e2e = _train_e2e(run, split, len(lines), show_bar)
+        with (out / "e2e.jsonl").open("w", encoding="utf-8") as f:
+            for line in e2e:
+                f.write(json.dumps(line, sort_keys=True) + "\n")
+        series["E2E FedAvg"] = [
+            (line["round"], line["test_accuracy"]) for line in e2e if "test_accuracy" in line
+        ]
+        results["e2e_accuracy"] = e2e[-1].get("test_accuracy")
+        results["e2e_bytes_up"] = sum(line["bytes_up"] for line in e2e)
+        results["e2e_bytes_down"] = sum(line["bytes_down"] for line in e2e)
+        say(f"E2E FedAvg: {len(e2e)} rounds, final accuracy {results['e2e_accuracy']}")
+    plot_series(series, out / "accuracy.png", title=f"PPFL {run.model}: test accuracy", ylabel="accuracy")
+    _write_json(out / "results.json", results)
+    return results
+
+
+def _train_e2e(run: PpflRun, split: ImageSplit, rounds: int, show_bar: bool) -> list[dict[str, Any]]:
+    """End-to-end FedAvg with PPFL's client settings, over ``rounds`` rounds (the one FedAvg engine); its
+    rate is not decayed per epoch (the engine's schedule is per round)."""
+    cfg = run.ppfl
+    fedavg = ImageFedAvgConfig(
+        clients_per_round=cfg.clients_per_round or run.clients,
+        local_epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        optimizer=cfg.optimizer(),
+    )
+    base = replace(run.images(), rounds=max(1, rounds), fedavg=fedavg)
+    return train_fedavg(base, progress=show_bar, split=split).history

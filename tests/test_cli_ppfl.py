@@ -1,0 +1,72 @@
+"""``fedveil ppfl run CONFIG`` end to end through the CLI on a tiny config, and ``fedveil ppfl memory``;
+config errors name the setting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedveil.cli import main
+from fedveil.errors import ConfigError
+from fedveil.experiments.ppfl_runner import load_ppfl_run
+
+TINY = """
+name: tiny
+data: synthetic-fashion-mnist:600
+model: lenet
+clients: 3
+samples_per_client: 24
+test_samples: 60
+tee_mib: [64]
+threads: 1
+ppfl:
+  rounds_per_stage: 2
+  local_epochs: 1
+  batch_size: 8
+  lr: 0.05
+"""
+
+
+def test_ppfl_run_writes_a_run_directory(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "run"
+    assert main(["ppfl", "run", str(config), "--out", str(out), "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["synthetic_data"] is True
+    assert [s["rounds"] for s in results["stages"]] == [2, 2]
+    assert results["rounds"] == 4 and results["bytes_up"] > 0
+    assert 0 <= results["final_accuracy"] <= 1 and 0 <= results["e2e_accuracy"] <= 1
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["stage"] for line in lines] == [0, 0, 1, 1]
+    assert all("accuracy" in line for line in lines)
+    assert len((out / "e2e.jsonl").read_text().splitlines()) == 4
+    memory = json.loads((out / "memory.json").read_text())
+    assert [m["eligible"] for m in memory] == [3, 3]
+    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "SYNTHETIC" in json.loads((out / "config.json").read_text())["data_source"]
+
+
+def test_ppfl_memory_table(capsys) -> None:
+    assert main(["ppfl", "memory", "--model", "alexnet", "--data", "cifar10", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["units"] for r in rows] == [[0], [1], [2]]
+    assert all(0.7 <= r["measured"] / r["total"] <= 1.25 for r in rows)
+
+
+def test_config_errors_name_the_setting(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY + "colour: red\n")
+    with pytest.raises(ConfigError, match=r"unknown settings \['colour'\]"):
+        load_ppfl_run(bad)
+    bad.write_text(TINY.replace("lr: 0.05", "lr: 0.05\n  block: 2"))
+    with pytest.raises(ConfigError, match=r"unknown ppfl settings \['block'\]"):
+        load_ppfl_run(bad)
+    bad.write_text(TINY.replace("tee_mib: [64]", "tee_mib: [0]"))
+    with pytest.raises(ConfigError, match="tee_mib"):
+        load_ppfl_run(bad)
+    bad.write_text(TINY.replace("lr: 0.05", "lr: 0.05\n  block_size: 3"))
+    assert main(["ppfl", "run", str(bad), "--out", str(tmp_path / "x"), "--json", "--no-e2e"]) != 0
+    assert "block size 3 must be an integer from 1 to the 2" in capsys.readouterr().err
