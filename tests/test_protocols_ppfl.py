@@ -4,6 +4,7 @@ emulated enclaves in which the host never handles a layer in training."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -242,14 +243,16 @@ def test_selection_by_tee_memory_and_a_layer_no_device_holds() -> None:
     ):
         _run(cfg, tee_bytes={c: small for c in ["c0", "c1", "c2", "c3", "eval"]})
     sizes = {"c0": max(need) + 1, "c1": max(need) + 1, "c2": small, "c3": small, "eval": small}
+    with pytest.raises(ConfigError, match="stage 0 .* 2 of 4 devices have more \\(need 3\\)"):
+        _run(replace(cfg, clients_per_round=3), tee_bytes=sizes)
     server, _, _ = _run(cfg, tee_bytes=sizes)
     assert [r.eligible for r in server.reports] == [2, 2]
     assert all(line["clients"] == 2 for r in server.reports for line in r.rounds)
 
 
 def test_tampered_and_replayed_updates_are_dropped_not_fatal() -> None:
-    """A flipped bit in a sealed update, and an update replayed from the previous round: the enclave
-    rejects those clients, averages the rest, and the run goes on."""
+    """A flipped bit in a sealed update, an update replayed from the previous round, and another
+    client's update: the enclave rejects those clients, averages the rest, and the run goes on."""
     last: dict[str, bytes] = {}
 
     def wrap(pool: PpflClients) -> None:
@@ -267,6 +270,9 @@ def test_tampered_and_replayed_updates_are_dropped_not_fatal() -> None:
                 if cid == "c2" and cid in last:
                     out[cid] = LayerFitReply(reply.round, reply.stage, reply.num_samples, last[cid])
                 last[cid] = reply.record
+            if isinstance(out.get("c0"), LayerFitReply) and "c3" in out:
+                c0 = out["c0"]
+                out["c3"] = LayerFitReply(c0.round, c0.stage, c0.num_samples, c0.record)
             return out
 
         pool.handle_batch = handle_batch  # type: ignore[method-assign]
@@ -277,8 +283,9 @@ def test_tampered_and_replayed_updates_are_dropped_not_fatal() -> None:
     def spy(self: EnclaveHost, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         rejected.append(len(result.rejected))
-        assert "c0" in result.accepted and "c1" in result.rejected
+        assert "c0" in result.accepted and "c1" in result.rejected and "c3" in result.rejected
         assert "AuthenticationError" in result.rejected["c1"]
+        assert "AuthenticationError" in result.rejected["c3"]
         return result
 
     EnclaveHost.layer_aggregate = spy  # type: ignore[method-assign]
@@ -286,7 +293,7 @@ def test_tampered_and_replayed_updates_are_dropped_not_fatal() -> None:
         server, _, _ = _run(SMALL, wrap=wrap)
     finally:
         EnclaveHost.layer_aggregate = original  # type: ignore[method-assign]
-    assert rejected[0] == 1 and all(n == 2 for n in rejected[1:])
+    assert rejected[0] == 2 and all(n == 3 for n in rejected[1:])
     assert all(line["applied"] for r in server.reports for line in r.rounds)
 
 

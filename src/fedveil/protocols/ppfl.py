@@ -689,7 +689,7 @@ class PpflServer:
             except ValueError:
                 continue
             (self.evaluators if attributes.get(ROLE_ATTRIBUTE) == "eval" else self.members).append(cid)
-        need = min(self.cfg.min_clients, self.cfg.clients_per_round or self.cfg.min_clients)
+        need = max(self.cfg.min_clients, self.cfg.clients_per_round or 1)
         largest = max((self.tee_bytes[c] for c in self.members), default=0)
         for memory, stage in zip(self.memory, self.stages, strict=True):
             eligible = len(self.eligible(memory))
