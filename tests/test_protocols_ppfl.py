@@ -243,7 +243,7 @@ def test_selection_by_tee_memory_and_a_layer_no_device_holds() -> None:
     ):
         _run(cfg, tee_bytes={c: small for c in ["c0", "c1", "c2", "c3", "eval"]})
     sizes = {"c0": max(need) + 1, "c1": max(need) + 1, "c2": small, "c3": small, "eval": small}
-    with pytest.raises(ConfigError, match="stage 0 .* 2 of 4 devices have more \\(need 3\\)"):
+    with pytest.raises(ConfigError, match=r"stage 0 .* 2 of 4 devices have more \(need 3\)"):
         _run(replace(cfg, clients_per_round=3), tee_bytes=sizes)
     server, _, _ = _run(cfg, tee_bytes=sizes)
     assert [r.eligible for r in server.reports] == [2, 2]
