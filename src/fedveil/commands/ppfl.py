@@ -4,6 +4,8 @@
   [--no-progress]``
   trains PPFL (and end-to-end FedAvg over the same total rounds), writes the run directory
   (:func:`fedveil.experiments.ppfl_runner.run_ppfl`) and prints the per-layer summary.
+- ``fedveil ppfl attacks [--model M] [--data D] [--dra-targets N] [--seed S] [--out DIR] [--json]``: Table 2,
+  each attack on what each observer sees (:func:`fedveil.experiments.ppfl_attacks.ppfl_attack_table`).
 - ``fedveil ppfl memory [--model M] [--batch-size B] [--data D] [--json]`` prints ``S_l`` per stage
   (parameters, gradients, optimizer, activations) and the measured peak of the same training steps.
 """
@@ -29,6 +31,13 @@ def register(subparsers: Any) -> None:
     r.add_argument("--threads", type=int, default=None, help="torch threads (overrides the config)")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = actions.add_parser("attacks", help="Table 2: DLG, property and membership inference, E2E vs PPFL")
+    a.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+    a.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
+    a.add_argument("--dra-targets", type=int, default=5, help="batch-1 uploads DLG attacks (default 5)")
+    a.add_argument("--seed", type=int, default=0, help="seed of everything random (default 0)")
+    a.add_argument("--out", type=Path, default=None, help="folder for ppfl_attacks.json")
+    a.add_argument("--json", action="store_true", help="print the JSON report")
     m = actions.add_parser("memory", help="S_l per layer stage: the TEE memory model and the measured peak")
     m.add_argument("--model", default="lenet", help="zoo model (default lenet)")
     m.add_argument(
@@ -78,10 +87,37 @@ def _memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attacks(args: argparse.Namespace) -> int:
+    from fedveil.experiments.attack_runs import membership_run
+    from fedveil.experiments.ppfl_attacks import ppfl_attack_table
+
+    summary = ppfl_attack_table(
+        images=membership_run(data=args.data, model=args.model, seed=args.seed),
+        dra_targets=args.dra_targets,
+        out=args.out,
+        progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return 0
+    for key, value in summary["attacks"].items():
+        if isinstance(value, dict) and "auc" in value:
+            print(f"{key:<28} AUC {value['auc']:.3f}  precision {value.get('precision')}")
+        elif isinstance(value, dict) and "result" in value:
+            print(f"{key:<28} {value['result']} ({value['sealed_views']} sealed views)")
+        elif isinstance(value, dict):
+            print(f"{key:<28} MSE {value.get('mse')}")
+        else:
+            print(f"{key:<28} {value}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Dispatch to the action; the work is in :mod:`fedveil.experiments.ppfl_runner`."""
     if args.action == "memory":
         return _memory(args)
+    if args.action == "attacks":
+        return _attacks(args)
     from dataclasses import replace
 
     from fedveil.experiments.ppfl_runner import load_ppfl_run, run_ppfl

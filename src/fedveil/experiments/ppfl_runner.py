@@ -49,7 +49,7 @@ from fedveil.runtime.enclave_host import BOUNDARIES, EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
 from fedveil.runtime.simulation import SimulationRuntime
 
-__all__ = ["PpflRun", "load_ppfl_run", "run_ppfl"]
+__all__ = ["PpflRun", "TrainedPpfl", "load_ppfl_run", "run_ppfl", "train_ppfl"]
 
 EVALUATOR = "evaluator"
 
@@ -157,61 +157,32 @@ def run_ppfl(
     config["data_source"] = split.train.describe()
     _write_json(out / "config.json", config)
     say(split.train.describe())
-    shape = split.members.image_shape
-    model = _model(run, split.members.num_classes, shape[0], shape[1])
-    data = FederatedDataset([*split.data, UserData(EVALUATOR, {}, {"x": split.test.x, "y": split.test.y})])
-    draw = np.random.default_rng([run.seed, 7])
-    tee = {c: int(float(draw.choice(run.tee_mib)) * 2**20) for c in data.user_ids}
-    platform = SimulatedPlatform.generate()
-    cfg = run.ppfl
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
-    with EnclaveHost.start(platform=platform, boundary=run.boundary) as host:
-        sessions = device_sessions(data.user_ids, platform.public_key, host.measurement)
-        pool = PpflClients(
-            model,
-            data,
-            optimizer=cfg.optimizer(),
-            seed=run.seed,
-            block_size=cfg.block_size,
-            sessions=sessions,
-            tee_bytes=tee,
-            evaluators=[EVALUATOR],
+    bar = tqdm(total=None, unit="round", desc=run.name, disable=not show_bar)
+
+    def record(line: dict[str, Any]) -> None:
+        with metrics_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line, sort_keys=True) + "\n")
+        bar.update(1)
+        if "accuracy" in line:
+            bar.set_postfix(layer=line["stage"], acc=f"{line['accuracy']:.3f}")
+
+    def memory(server: PpflServer) -> None:
+        bar.total = len(server.stages) * run.ppfl.rounds_per_stage
+        _write_json(
+            out / "memory.json",
+            [
+                {**m.as_dict(), "eligible": len(server.eligible(m)), "devices": len(server.members)}
+                for m in server.memory
+            ],
         )
-        runtime = SimulationRuntime(pool, rng=np.random.default_rng(run.seed + 1))
-        server = PpflServer(model, cfg, host, np.random.default_rng(run.seed + 2))
-        bar = tqdm(
-            total=len(server.stages) * cfg.rounds_per_stage, unit="round", desc=run.name, disable=not show_bar
-        )
 
-        def record(line: dict[str, Any]) -> None:
-            with metrics_path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(line, sort_keys=True) + "\n")
-            bar.update(1)
-            if "accuracy" in line:
-                bar.set_postfix(layer=line["stage"], acc=f"{line['accuracy']:.3f}")
-
-        start = time.perf_counter()
-
-        async def go() -> None:
-            await server.setup(runtime)
-            _write_json(
-                out / "memory.json",
-                [
-                    {**m.as_dict(), "eligible": len(server.eligible(m)), "devices": len(server.members)}
-                    for m in server.memory
-                ],
-            )
-            await server.train(runtime, progress=record)
-            if cfg.keep_classifier_in_tee:
-                final.update(await server.evaluate_kept(runtime))
-
-        final: dict[str, float] = {}
-        try:
-            asyncio.run(go())
-        finally:
-            bar.close()
-        seconds = time.perf_counter() - start
+    try:
+        trained = train_ppfl(run, split, progress=record, on_setup=memory)
+    finally:
+        bar.close()
+    server, final, seconds = trained.server, trained.final, trained.seconds
     lines = [line for r in server.reports for line in r.rounds]
     results: dict[str, Any] = {
         "name": run.name,
@@ -258,6 +229,67 @@ def run_ppfl(
     plot_series(series, out / "accuracy.png", title=f"PPFL {run.model}: test accuracy", ylabel="accuracy")
     _write_json(out / "results.json", results)
     return results
+
+
+@dataclass
+class TrainedPpfl:
+    """A finished PPFL run: the ``server`` (per-stage reports), the devices (``pool``: what each REE
+    holds), the ``model`` architecture, the final evaluation with the classifier kept in the TEEs
+    (``final``, empty otherwise) and the wall-clock ``seconds``."""
+
+    server: PpflServer
+    pool: PpflClients
+    model: LayerwiseNet
+    final: dict[str, float]
+    seconds: float
+
+
+def train_ppfl(
+    run: PpflRun,
+    split: ImageSplit,
+    *,
+    tap: Callable[[str, bytes], None] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    on_setup: Callable[[PpflServer], None] | None = None,
+) -> TrainedPpfl:
+    """Train PPFL on ``split``'s clients, with an evaluation device holding its test subset; ``tap`` sees
+    every byte on the wire (an observer), ``progress`` every round's line, ``on_setup`` the server after
+    registration and attestation."""
+    shape = split.members.image_shape
+    model = _model(run, split.members.num_classes, shape[0], shape[1])
+    data = FederatedDataset([*split.data, UserData(EVALUATOR, {}, {"x": split.test.x, "y": split.test.y})])
+    draw = np.random.default_rng([run.seed, 7])
+    tee = {c: int(float(draw.choice(run.tee_mib)) * 2**20) for c in data.user_ids}
+    platform = SimulatedPlatform.generate()
+    cfg = run.ppfl
+    final: dict[str, float] = {}
+    with EnclaveHost.start(platform=platform, boundary=run.boundary) as host:
+        sessions = device_sessions(data.user_ids, platform.public_key, host.measurement)
+        pool = PpflClients(
+            model,
+            data,
+            optimizer=cfg.optimizer(),
+            seed=run.seed,
+            block_size=cfg.block_size,
+            sessions=sessions,
+            tee_bytes=tee,
+            evaluators=[EVALUATOR],
+        )
+        runtime = SimulationRuntime(pool, rng=np.random.default_rng(run.seed + 1), tap=tap)
+        server = PpflServer(model, cfg, host, np.random.default_rng(run.seed + 2))
+        start = time.perf_counter()
+
+        async def go() -> None:
+            await server.setup(runtime)
+            if on_setup is not None:
+                on_setup(server)
+            await server.train(runtime, progress=progress)
+            if cfg.keep_classifier_in_tee:
+                final.update(await server.evaluate_kept(runtime))
+
+        asyncio.run(go())
+        seconds = time.perf_counter() - start
+    return TrainedPpfl(server, pool, model, final, seconds)
 
 
 def _train_e2e(run: PpflRun, split: ImageSplit, rounds: int, show_bar: bool) -> list[dict[str, Any]]:

@@ -1,0 +1,260 @@
+"""PPFL Table 2 (004_f28ec6505072f6a8.txt, Sec. 6.1): each attack on exactly what each observer sees, E2E
+FedAvg against PPFL.
+
+One member split (the membership target's recipe, :func:`fedveil.experiments.attack_runs.membership_run`:
+clients that train long enough on few examples to leak) is trained twice: by undefended end-to-end FedAvg
+and by PPFL with the last layer kept in the TEEs. An observer taps every byte of each run
+(:class:`~fedveil.attacks.observe.WireObserver`):
+
+- **DRA and PIA** need the clients' updates. E2E FedAvg shows them in the clear, so DLG runs on a batch-1
+  upload of the E2E model (:func:`~fedveil.experiments.attack_runs.run_inversion` with ``view="fedavg"``)
+  and Melis et al.'s attack on every round's uploads (:func:`~fedveil.experiments.attack_runs.run_property`).
+  In PPFL every upload and broadcast of a layer in training is an AES-GCM record: the observer's views are
+  :class:`~fedveil.attacks.views.SealedView`, and the same attack functions refuse them
+  (:class:`~fedveil.attacks.views.NoPlaintextView`). The table says "no plaintext view" and counts the
+  sealed messages, rather than inventing an MSE or AUC for an attack that cannot start.
+- **MIA** needs the released model. E2E releases it whole (Yeom, Nasr-style, with the control of
+  :func:`~fedveil.experiments.attack_runs.run_membership`). PPFL with ``keep_classifier_in_tee`` releases
+  only the convolutional layers: the observer's strongest move is to train its own classifier atop them
+  on auxiliary data from the same distribution (examples that are neither members nor candidates) and to
+  attack that model (the "adaptive" row). PPFL without the option releases the whole model (the
+  "released" row), which shows what the TEE-kept last layer buys.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedveil.attacks.dlg import dlg_attack
+from fedveil.attacks.mia_nasr import nasr_attack
+from fedveil.attacks.mia_yeom import per_example_loss, yeom_attack
+from fedveil.attacks.observe import WireObserver
+from fedveil.attacks.pia_melis import melis_attack
+from fedveil.attacks.views import ModelView, NoPlaintextView
+from fedveil.core.atomic import atomic_write
+from fedveil.experiments.attack_runs import membership_run, run_inversion, run_membership, run_property
+from fedveil.experiments.fedavg_images import FedAvgRun, split_images
+from fedveil.experiments.ppfl_runner import PpflRun, train_ppfl
+from fedveil.models.flat import FlatModel
+from fedveil.protocols.fedavg import ParameterPlan
+from fedveil.protocols.ppfl import PpflConfig, plan_stages, stage_net
+from fedveil.protocols.ppfl_messages import LayerEvalRequest, LayerFitReply, LayerFitRequest
+
+__all__ = ["ppfl_attack_table"]
+
+
+def _ppfl_run(images: FedAvgRun, cfg: PpflConfig, tee_mib: float) -> PpflRun:
+    return PpflRun(
+        name="ppfl_attacks",
+        data=images.data,
+        model=images.model,
+        clients=images.clients,
+        samples_per_client=images.samples_per_client,
+        scheme=images.scheme,
+        test_samples=images.test_samples,
+        seed=images.seed,
+        tee_mib=(tee_mib,),
+        e2e=False,
+        ppfl=cfg,
+    )
+
+
+def _attacker_head(
+    frozen: nn.Module, head: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int, seed: int
+) -> nn.Module:
+    """The observer's classifier atop the released layers, trained on its auxiliary examples (Adam)."""
+    torch.manual_seed(seed)
+    for module in head.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    with torch.no_grad():
+        features = frozen.eval()(x)
+    head.train().requires_grad_(True)
+    opt = torch.optim.Adam(head.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        order = torch.randperm(len(features), generator=gen)
+        for s in range(0, len(order), 32):
+            idx = order[s : s + 32]
+            opt.zero_grad()
+            nn.functional.cross_entropy(head(features[idx]), y[idx]).backward()
+            opt.step()
+    return nn.Sequential(frozen, head.eval().requires_grad_(False))
+
+
+def _no_view(attack: str, views: list[Any], call: Any) -> dict[str, Any]:
+    """Run ``call`` on the first view; a sealed view must be refused."""
+    try:
+        call(views[0])
+    except NoPlaintextView as exc:
+        return {
+            "attack": attack,
+            "result": "no plaintext view",
+            "sealed_views": len(views),
+            "reason": str(exc),
+        }
+    raise AssertionError(f"{attack} ran on a PPFL view: the observer saw plaintext")
+
+
+def ppfl_attack_table(
+    *,
+    images: FedAvgRun | None = None,
+    ppfl: PpflConfig | None = None,
+    tee_mib: float = 64.0,
+    aux_examples: int = 2000,
+    head_epochs: int = 20,
+    dra_targets: int = 5,
+    dra_iterations: int | None = None,
+    pia_clients: int = 20,
+    pia_rounds: int = 6,
+    e2e: bool = True,
+    out: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Table 2 at the scale that runs here (module docstring); returns (and writes to
+    ``out/ppfl_attacks.json``) one entry per attack and learning method.
+
+    ``images`` is the member split and E2E recipe (default :func:`membership_run`); PPFL trains the same
+    clients with the same local settings for half the E2E rounds per layer (LeNet's two layers: the same
+    total), the devices' TEEs ``tee_mib`` MiB. The observer's head trains ``head_epochs`` on
+    ``aux_examples`` spare training examples. DLG attacks ``dra_targets`` batch-1 uploads; the property
+    attack runs on its own recipe with ``pia_clients`` clients for ``pia_rounds`` rounds. ``e2e=False``
+    leaves out the E2E rows (each is :mod:`fedveil.experiments.attack_runs`' own experiment)."""
+    images = images or membership_run()
+    rounds = max(1, images.rounds // 2)
+    cfg = ppfl or PpflConfig(
+        rounds_per_stage=rounds,
+        local_epochs=images.fedavg.local_epochs,
+        batch_size=images.fedavg.batch_size,
+        lr=images.fedavg.optimizer.lr,
+        momentum=images.fedavg.optimizer.momentum,
+        epoch_decay=1.0,
+        keep_classifier_in_tee=True,
+        eval_every=rounds,
+        seed=images.seed,
+    )
+    table: dict[str, Any] = {}
+    # --- E2E: DRA, PIA, MIA on plaintext views ---
+    if e2e:
+        dra = run_inversion(
+            "dlg",
+            model=images.model,
+            data=images.data,
+            batch=1,
+            targets=dra_targets,
+            iterations=dra_iterations,
+            view="fedavg",
+            seed=images.seed,
+        )
+        table["dra/e2e"] = {
+            k: dra[k] for k in ("attack", "view", "mse", "psnr", "ssim", "recovered", "targets")
+        }
+        pia = run_property(
+            data=images.data, model=images.model, clients=pia_clients, rounds=pia_rounds, seed=images.seed
+        )
+        table["pia/e2e"] = pia["attacks"]["melis/target"]
+        table["pia/e2e-control"] = pia["attacks"]["melis/control"]
+        mia = run_membership(attacks=("yeom", "nasr"), run=images, seed=images.seed, progress=progress)
+        for key, value in mia["attacks"].items():
+            name, which = key.split("/")
+            table[f"mia-{name}/e2e" + ("" if which == "target" else "-control")] = value
+    # --- PPFL: what its observer sees ---
+    split = split_images(images)
+    shape = split.members.image_shape
+    aux_x, aux_y = split.non_members.x[:8], split.non_members.y[:8]
+    for keep in (True, False):
+        run = _ppfl_run(images, replace(cfg, keep_classifier_in_tee=keep), tee_mib)
+        # PPFL sends no plaintext FitRequest/FitReply, so the observer's model and plan are never used
+        stand_in = FlatModel(nn.Linear(1, 1))
+        observer = WireObserver(
+            stand_in,
+            ParameterPlan(stand_in),
+            lambda: nn.Linear(1, 1),
+            sealed_types=(LayerFitRequest, LayerFitReply, LayerEvalRequest),
+        )
+        trained = train_ppfl(run, split, tap=observer.tap)
+        views = [v for rnd in sorted(observer.rounds) for v in observer.client_views(rnd)]
+        suffix = "" if keep else "-released"
+        if keep:
+            table["dra/ppfl"] = _no_view(
+                "dlg", views, lambda v: dlg_attack(v, image_shape=shape, iterations=1)
+            )
+            table["pia/ppfl"] = _no_view(
+                "melis",
+                views,
+                lambda v: melis_attack(
+                    [v], np.zeros(1, bool), aux_x, aux_y, np.zeros(8, bool), rng=np.random.default_rng(0)
+                ),
+            )
+        table.update(_ppfl_membership(trained, split, images, aux_examples, head_epochs, keep, suffix))
+        table[f"ppfl{suffix}/accuracy"] = trained.final.get(
+            "accuracy", trained.server.reports[-1].rounds[-1].get("accuracy")
+        )
+    summary = {
+        "run": {
+            "data": split.train.describe(),
+            "synthetic_data": split.train.synthetic,
+            "model": images.model,
+            "clients": images.clients,
+            "samples_per_client": images.samples_per_client,
+            "e2e_rounds": images.rounds,
+            "ppfl_rounds_per_stage": cfg.rounds_per_stage,
+            "local_epochs": cfg.local_epochs,
+            "aux_examples": aux_examples,
+        },
+        "attacks": {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in table.items()},
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(
+            out / "ppfl_attacks.json", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode()
+        )
+    return summary
+
+
+def _ppfl_membership(
+    trained: Any, split: Any, images: FedAvgRun, aux_examples: int, head_epochs: int, keep: bool, suffix: str
+) -> dict[str, Any]:
+    """MIA on PPFL's release: the observer's own head atop the released layers (kept), or the released
+    whole model (not kept)."""
+    n = len(split.members)
+    x = torch.from_numpy(np.concatenate([split.members.x, split.non_members.x[:n]]))
+    y = torch.from_numpy(np.concatenate([split.members.y, split.non_members.y[:n]]))
+    is_member = np.r_[np.ones(n, bool), np.zeros(n, bool)]
+    device = next(c for c in trained.pool.client_ids() if c not in trained.pool.evaluators)
+    frozen = nn.Sequential(*trained.pool.frozen[device])
+    if keep:
+        used = np.r_[split.member_index, split.non_member_index]
+        spare = np.setdiff1d(np.arange(len(split.train)), used)
+        pick = np.random.default_rng(images.seed + 3).permutation(spare)[:aux_examples]
+        aux = split.train.subset(np.sort(pick))
+        head = copy.deepcopy(stage_net(trained.model, plan_stages(trained.model)[-1]).classifier)
+        model = _attacker_head(
+            frozen,
+            head,
+            torch.from_numpy(np.array(aux.x)),
+            torch.from_numpy(np.array(aux.y)),
+            epochs=head_epochs,
+            seed=images.seed,
+        )
+        observer = "observer: released layers + its own head trained on auxiliary data"
+    else:
+        model = trained.pool.trained_model(device)
+        observer = "observer: released whole model"
+    view = ModelView(observer, model)
+    train_loss = float(per_example_loss(model, x[:n], y[:n]).mean())
+    rng = np.random.default_rng(images.seed)
+    yeom = yeom_attack(view, x, y, is_member, mean_train_loss=train_loss)
+    nasr = nasr_attack(view, x, y, is_member, rng=rng)
+    return {
+        f"mia-yeom/ppfl{suffix}": {**yeom.as_dict(), "observer": observer},
+        f"mia-nasr/ppfl{suffix}": {**nasr.as_dict(), "observer": observer},
+    }

@@ -1,0 +1,37 @@
+"""PPFL Table 2 harness on a tiny synthetic run: every PPFL update view is sealed and refused, and PPFL's
+release is attacked as its observer would (with and without the last layer kept in the TEEs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedveil.experiments.attack_runs import membership_run
+from fedveil.experiments.ppfl_attacks import ppfl_attack_table
+
+
+def test_table_2_harness_runs_each_attack_on_what_each_observer_sees(tmp_path: Path) -> None:
+    images = membership_run(
+        data="synthetic-fashion-mnist:1500", clients=3, samples_per_client=16, rounds=2, local_epochs=1
+    )
+    summary = ppfl_attack_table(
+        images=images,
+        aux_examples=40,
+        head_epochs=1,
+        dra_targets=1,
+        dra_iterations=3,
+        pia_clients=4,
+        pia_rounds=1,
+        e2e=False,
+        out=tmp_path,
+        progress=False,
+    )
+    attacks = summary["attacks"]
+    assert summary["run"]["synthetic_data"] is True
+    assert attacks["dra/ppfl"]["result"] == "no plaintext view" and attacks["dra/ppfl"]["sealed_views"] > 0
+    assert attacks["pia/ppfl"]["result"] == "no plaintext view"
+    assert not any(key.endswith("/e2e") for key in attacks)  # the E2E rows: tests/test_attacks_*.py
+    for key in ("mia-yeom/ppfl", "mia-nasr/ppfl", "mia-yeom/ppfl-released", "mia-nasr/ppfl-released"):
+        assert 0 <= attacks[key]["auc"] <= 1 and "precision" in attacks[key]
+    assert "head trained on auxiliary data" in attacks["mia-yeom/ppfl"]["observer"]
+    assert attacks["mia-yeom/ppfl-released"]["observer"] == "observer: released whole model"
+    assert (tmp_path / "ppfl_attacks.json").exists()
