@@ -30,6 +30,8 @@ def test_client_views_are_upload_minus_broadcast() -> None:
     obs, _, _, initial = _observe()
     views = obs.client_views(1)
     assert len(views) == CFG.clients_per_round
+    # one snapshot per broadcast: attacks that simulate updates per snapshot (Melis) group the views by it
+    assert len({id(v.model) for v in views}) == 1
     view = views[0]
     assert isinstance(view, UpdateView) and view.kind == "delta" and view.hidden == ()
     assert view.lr == pytest.approx(0.1)

@@ -115,11 +115,12 @@ class WireObserver:
         names, shapes = self._names_shapes()
         sent_upload = seen.request.weights[np.searchsorted(self.plan.shared_index, self.plan.upload_index)]
         hidden = tuple(self.plan.private_names)
+        snapshot = self._model(seen.request.weights)  # one model per broadcast: the views share the snapshot
         for reply in seen.replies:
             views.append(
                 update_view_from_upload(
                     observer=observer,
-                    model=self._model(seen.request.weights),
+                    model=snapshot,
                     names=names,
                     shapes=shapes,
                     sent=sent_upload,
