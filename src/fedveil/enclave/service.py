@@ -170,6 +170,17 @@ def _clients(header: dict[str, Any], count: int) -> list[str]:
     return clients
 
 
+def _num_samples(header: dict[str, Any], count: int) -> list[int]:
+    num_samples = header.get("num_samples")
+    if (
+        not isinstance(num_samples, list)
+        or len(num_samples) != count
+        or any(type(k) is not int or not 0 < k < 2**53 for k in num_samples)
+    ):
+        raise CodecError("request field 'num_samples' must list one positive int per client")
+    return num_samples
+
+
 def _rejection(exc: FedveilError) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -455,13 +466,7 @@ class EnclaveService:
     def _aggregate(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
         rnd, attempt = _int(header, "round"), _int(header, "attempt")
         clients = _clients(header, len(blobs))
-        num_samples = header.get("num_samples")
-        if (
-            not isinstance(num_samples, list)
-            or len(num_samples) != len(clients)
-            or any(type(k) is not int or not 0 < k < 2**53 for k in num_samples)
-        ):
-            raise CodecError("request field 'num_samples' must list one positive int per client")
+        num_samples = _num_samples(header, len(clients))
         final = header.get("final")
         if type(final) is not bool:
             raise CodecError(f"request field 'final' is {final!r}, expected a bool")
@@ -549,13 +554,7 @@ class EnclaveService:
     def _layer_aggregate(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
         rnd, stage = _int(header, "round"), _int(header, "stage")
         clients = _clients(header, len(blobs))
-        num_samples = header.get("num_samples")
-        if (
-            not isinstance(num_samples, list)
-            or len(num_samples) != len(clients)
-            or any(type(k) is not int or not 0 < k < 2**53 for k in num_samples)
-        ):
-            raise CodecError("request field 'num_samples' must list one positive int per client")
+        num_samples = _num_samples(header, len(clients))
         weighted = header.get("weighted")
         if type(weighted) is not bool:
             raise CodecError(f"request field 'weighted' is {weighted!r}, expected a bool")
