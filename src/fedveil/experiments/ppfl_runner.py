@@ -13,7 +13,8 @@ directory holds:
 - ``metrics.jsonl``: one line per PPFL round (stage, accuracy of layer + classifier on the test split,
   training loss, bytes up and down, phase seconds), written as each round ends;
 - ``e2e.jsonl``: the baseline's rounds, when trained;
-- ``results.json``: the summary (final accuracy per stage, rounds, bytes, the baseline's accuracy);
+- ``results.json``: the summary (final accuracy per stage, rounds, bytes, wall-clock seconds, and the
+  baseline's accuracy, bytes and seconds over the same rounds: PPFL's Eq. 2 against Eq. 1);
 - ``accuracy.png``: test accuracy per round, one line per trained layer, and the baseline (Fig. 2).
 
 A run is short at the sizes that run here; an interrupted one is started again from the beginning
@@ -215,7 +216,10 @@ def run_ppfl(
         for r in server.reports
     }
     if run.e2e:
+        started = time.perf_counter()
         e2e = _train_e2e(run, split, len(lines), show_bar)
+        results["e2e_seconds"] = time.perf_counter() - started
+        results["ppfl_over_e2e_seconds"] = seconds / results["e2e_seconds"]
         with (out / "e2e.jsonl").open("w", encoding="utf-8") as f:
             for line in e2e:
                 f.write(json.dumps(line, sort_keys=True) + "\n")
