@@ -360,3 +360,45 @@ def test_layerwise_state_averages_and_releases() -> None:
         state.average(0, 2, updates, {"a": 1, "b": 1}, weighted=False)
     np.testing.assert_allclose(state.release(0, keep=1), [2.5, 3.5])
     assert state.kept is not None and state.kept.tolist() == [4.5]
+
+
+def test_enclave_refuses_bad_layer_requests() -> None:
+    """The enclave's PPFL operations validate every request and name what is wrong."""
+    from fedveil.errors import CodecError
+
+    host = EnclaveHost.start(platform=SimulatedPlatform.generate(), boundary="inprocess")
+    try:
+        with pytest.raises(CodecError, match="parameter init 'gauss'"):
+            host._call(
+                {
+                    "op": "layer_begin",
+                    "stage": 0,
+                    "seed": 0,
+                    "specs": [{"shape": [2], "init": "gauss", "bound": 0}],
+                },
+                [],
+            )
+        with pytest.raises(CodecError, match="must be positive ints"):
+            host._call(
+                {
+                    "op": "layer_begin",
+                    "stage": 1,
+                    "seed": 0,
+                    "specs": [{"shape": [0], "init": "zeros", "bound": 0}],
+                },
+                [],
+            )
+        assert host.layer_begin(0, [ParamSpec((2,), "zeros")], 0) == 2
+        with pytest.raises(ValidationError, match="client 'nobody' has no session"):
+            host.layer_broadcast(1, 0, ["nobody"])
+        with pytest.raises(ValidationError, match="stage 3 is not in training"):
+            host.layer_broadcast(1, 3, [])
+        with pytest.raises(ValidationError, match="no tail of layer stage 0 is kept"):
+            host.layer_broadcast(1, 0, [], kept=True)
+        with pytest.raises(ValidationError, match="keep 5 values of a layer of 2"):
+            host.layer_release(0, keep=5)
+        np.testing.assert_array_equal(host.layer_release(0, keep=1), [0.0])
+        with pytest.raises(ValidationError, match="stage 0 does not follow stage 0"):
+            host.layer_begin(0, [ParamSpec((2,), "zeros")], 0)
+    finally:
+        host.close()
