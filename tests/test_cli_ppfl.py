@@ -70,3 +70,19 @@ def test_config_errors_name_the_setting(tmp_path: Path, capsys) -> None:
     bad.write_text(TINY.replace("lr: 0.05", "lr: 0.05\n  block_size: 3"))
     assert main(["ppfl", "run", str(bad), "--out", str(tmp_path / "x"), "--json", "--no-e2e"]) != 0
     assert "block size 3 must be an integer from 1 to the 2" in capsys.readouterr().err
+
+
+def test_table_3_measure_rounds_to_reach_e2e(tmp_path: Path, capsys) -> None:
+    """reach_e2e_rounds: E2E trains first; PPFL stops at the first evaluation reaching its accuracy."""
+    config = tmp_path / "reach.yaml"
+    config.write_text(TINY.replace("rounds_per_stage: 2", "rounds_per_stage: 6") + "reach_e2e_rounds: 2\n")
+    assert main(["ppfl", "run", str(config), "--out", str(tmp_path / "run"), "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["e2e_rounds"] == 2 and results["target_accuracy"] == results["e2e_accuracy"]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    hits = [i for i, line in enumerate(lines) if line["accuracy"] >= results["target_accuracy"]]
+    if results["reached"]:
+        assert results["rounds_to_reach"] == len(lines) == hits[0] + 1
+        assert results["bytes_to_reach"] == results["bytes_up"] + results["bytes_down"]
+    else:
+        assert not hits and results["rounds_to_reach"] is None and len(lines) == 12

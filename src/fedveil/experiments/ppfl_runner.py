@@ -4,7 +4,8 @@ directory.
 A YAML config names the data and model (as :class:`~fedveil.experiments.fedavg_images.FedAvgRun` does:
 the same clients, partition and test subset), the devices' TEE sizes, PPFL's settings
 (:class:`~fedveil.protocols.ppfl.PpflConfig`, the ``ppfl:`` block) and whether to train the end-to-end
-FedAvg baseline over the same total number of rounds (``e2e: true``, as Fig. 2 draws it). The run
+FedAvg baseline over the same total number of rounds (``e2e: true``, as Fig. 2 draws it), or first, as
+the target PPFL must reach (``reach_e2e_rounds: N``, Table 3). The run
 directory holds:
 
 - ``config.json``: the settings, as parsed;
@@ -14,7 +15,8 @@ directory holds:
   training loss, bytes up and down, phase seconds), written as each round ends;
 - ``e2e.jsonl``: the baseline's rounds, when trained;
 - ``results.json``: the summary (final accuracy per stage, rounds, bytes, wall-clock seconds, and the
-  baseline's accuracy, bytes and seconds over the same rounds: PPFL's Eq. 2 against Eq. 1);
+  baseline's accuracy, bytes and seconds: PPFL's Eq. 2 against Eq. 1 as a ratio of seconds per round;
+  with ``reach_e2e_rounds``, Table 3's rounds and bytes PPFL took to reach E2E's accuracy);
 - ``accuracy.png``: test accuracy per round, one line per trained layer, and the baseline (Fig. 2).
 
 A run is short at the sizes that run here; an interrupted one is started again from the beginning
@@ -58,7 +60,9 @@ EVALUATOR = "evaluator"
 @dataclass(frozen=True)
 class PpflRun:
     """One PPFL experiment (module docstring). ``tee_mib`` lists the TEE sizes devices draw from
-    uniformly (one value: every device has it; default the HiKey 960's 16 MiB)."""
+    uniformly (one value: every device has it; default the HiKey 960's 16 MiB). ``reach_e2e_rounds``
+    is Table 3's measure: E2E FedAvg trains first for that many rounds, and PPFL stops as soon as an
+    evaluation reaches E2E's final accuracy; the results give the rounds and bytes it took."""
 
     name: str = "ppfl"
     data: str = "fashion-mnist"
@@ -71,6 +75,7 @@ class PpflRun:
     tee_mib: tuple[float, ...] = (HIKEY_TEE_BYTES / 2**20,)
     boundary: str = "inprocess"
     e2e: bool = True
+    reach_e2e_rounds: int | None = None
     threads: int = 2
     ppfl: PpflConfig = field(default_factory=PpflConfig)
 
@@ -79,6 +84,12 @@ class PpflRun:
             raise ConfigError(f"tee_mib {self.tee_mib!r} must list one or more sizes > 0 (MiB)")
         if self.boundary not in BOUNDARIES:
             raise ConfigError(f"boundary {self.boundary!r} is not one of {', '.join(BOUNDARIES)}")
+        if self.reach_e2e_rounds is not None and (
+            isinstance(self.reach_e2e_rounds, bool)
+            or not isinstance(self.reach_e2e_rounds, int)
+            or self.reach_e2e_rounds < 1
+        ):
+            raise ConfigError(f"reach_e2e_rounds {self.reach_e2e_rounds!r} must be an integer >= 1 (or null)")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ConfigError(f"threads {self.threads!r} must be an integer >= 1")
         self.images()
@@ -158,6 +169,14 @@ def run_ppfl(
     config["data_source"] = split.train.describe()
     _write_json(out / "config.json", config)
     say(split.train.describe())
+    e2e: list[dict[str, Any]] | None = None
+    if run.reach_e2e_rounds is not None:
+        started = time.perf_counter()
+        e2e = _train_e2e(run, split, run.reach_e2e_rounds, show_bar)
+        e2e_seconds = time.perf_counter() - started
+        target = e2e[-1]["test_accuracy"]
+        say(f"E2E FedAvg: {len(e2e)} rounds, accuracy {target:.4f}: PPFL's target")
+        run = replace(run, ppfl=replace(run.ppfl, target_accuracy=target))
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
     bar = tqdm(total=None, unit="round", desc=run.name, disable=not show_bar)
@@ -215,11 +234,20 @@ def run_ppfl(
         ]
         for r in server.reports
     }
-    if run.e2e:
+    if run.reach_e2e_rounds is not None:
+        reached = bool(server.reports) and server.reports[-1].stopped == "target"
+        results["target_accuracy"] = run.ppfl.target_accuracy
+        results["reached"] = reached
+        results["rounds_to_reach"] = len(lines) if reached else None
+        results["bytes_to_reach"] = results["bytes_up"] + results["bytes_down"] if reached else None
+    elif run.e2e:
         started = time.perf_counter()
         e2e = _train_e2e(run, split, len(lines), show_bar)
-        results["e2e_seconds"] = time.perf_counter() - started
-        results["ppfl_over_e2e_seconds"] = seconds / results["e2e_seconds"]
+        e2e_seconds = time.perf_counter() - started
+    if e2e is not None:
+        results["e2e_rounds"] = len(e2e)
+        results["e2e_seconds"] = e2e_seconds
+        results["ppfl_over_e2e_seconds_per_round"] = (seconds / max(1, len(lines))) / (e2e_seconds / len(e2e))
         with (out / "e2e.jsonl").open("w", encoding="utf-8") as f:
             for line in e2e:
                 f.write(json.dumps(line, sort_keys=True) + "\n")
