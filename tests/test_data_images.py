@@ -186,7 +186,7 @@ def test_dataset_names_and_data_info(capsys, monkeypatch) -> None:
         load_image_dataset("imagenet", "train")
     monkeypatch.delenv("FEDVEIL_DATA_DIR", raising=False)
     with pytest.raises(ConfigError, match="FEDVEIL_DATA_DIR"):
-        load_image_dataset("cifar10", "train")
+        load_image_dataset("cifar10", "train", allow_synthetic=False)
     assert main(["data", "info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     installed = Path(FASHION_MNIST_DIRS[0], "t10k-labels-idx1-ubyte.gz").is_file()
@@ -203,3 +203,20 @@ def test_sized_synthetic_stand_in_by_name() -> None:
     assert (len(train), len(test)) == (60, 10) and train.synthetic
     with pytest.raises(ConfigError, match="training size after ':' must be an integer >= 6"):
         load_image_dataset("synthetic-fashion-mnist:x", "train")
+
+
+def test_cifar10_falls_back_to_a_labelled_stand_in(monkeypatch) -> None:
+    from fedveil.data.images import load_image_dataset
+
+    monkeypatch.delenv("FEDVEIL_DATA_DIR", raising=False)
+    small = load_image_dataset("synthetic-cifar10:60", "train")
+    assert (
+        small.x.shape == (60, 3, 32, 32)
+        and small.synthetic
+        and len(load_image_dataset("synthetic-cifar10:60", "test")) == 12
+    )
+    assert small.x.min() >= 0.0 and small.x.max() <= 1.0 and set(small.y.tolist()) <= set(range(10))
+    stand_in = load_image_dataset("cifar10", "test")
+    assert stand_in.synthetic and len(stand_in) == 10000
+    assert "CIFAR-10's binary version not found" in stand_in.describe()
+    assert "SYNTHETIC" in stand_in.describe()

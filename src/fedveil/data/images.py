@@ -42,6 +42,7 @@ __all__ = [
     "load_image_dataset",
     "load_image_folder",
     "load_mnist_layout",
+    "synthetic_cifar10",
     "synthetic_fashion_mnist",
 ]
 
@@ -67,6 +68,7 @@ DATASET_NAMES = (
     "synthetic-fashion-mnist:<train size>",
     "mnist",
     "cifar10",
+    "synthetic-cifar10[:<train size>]",
     "folder:<path>",
 )
 _CIFAR_RECORD = 1 + 3 * 32 * 32
@@ -343,6 +345,55 @@ def synthetic_fashion_mnist(n: int, *, seed: int = 0, split: str = "train", reas
     )
 
 
+def synthetic_cifar10(n: int, *, seed: int = 0, split: str = "train", reason: str = "") -> ImageData:
+    """A seeded synthetic stand-in in CIFAR-10's *format*: ``n`` images 3 x 32 x 32 of 10 classes.
+
+    Each image is a class's silhouette (:func:`synthetic_fashion_mnist`'s ten shapes, placed at a random
+    offset in the 32 x 32 frame) painted in a class hue with jittered saturation and brightness on a
+    random background colour, plus pixel noise. It has CIFAR-10's shape and class count, not its content
+    (no photographs of planes or frogs): results on it say nothing about CIFAR-10's difficulty. It is
+    marked ``synthetic`` and its ``source`` says why it was used.
+    """
+    if n < 1:
+        raise ConfigError(f"n {n!r} must be >= 1")
+    if split not in ("train", "test"):
+        raise ConfigError(f"split {split!r} is not one of train, test")
+    rng = np.random.default_rng([seed, 2 if split == "train" else 3])
+    y = rng.integers(0, 10, n)
+    hues = np.array(
+        [
+            [0.9, 0.2, 0.2],
+            [0.2, 0.8, 0.2],
+            [0.2, 0.3, 0.9],
+            [0.9, 0.8, 0.2],
+            [0.8, 0.3, 0.8],
+            [0.2, 0.8, 0.8],
+            [0.9, 0.5, 0.1],
+            [0.5, 0.5, 0.5],
+            [0.6, 0.4, 0.2],
+            [0.95, 0.95, 0.95],
+        ],
+        dtype=np.float32,
+    )
+    x = np.empty((n, 3, 32, 32), dtype=np.float32)
+    for i, c in enumerate(y):
+        mask = np.zeros((32, 32), dtype=np.float32)
+        oy, ox = rng.integers(0, 5, size=2)
+        mask[oy : oy + 28, ox : ox + 28] = _silhouette(int(c), rng)
+        colour = np.clip(hues[c] * rng.uniform(0.7, 1.1) + rng.normal(0, 0.08, 3), 0, 1).astype(np.float32)
+        background = rng.uniform(0, 0.6, 3).astype(np.float32)
+        img = mask[None] * colour[:, None, None] + (1 - mask[None]) * background[:, None, None]
+        x[i] = np.clip(img + 0.05 * rng.standard_normal((3, 32, 32)), 0.0, 1.0)
+    return ImageData(
+        x,
+        y.astype(np.int64),
+        tuple(f"shape {k}" for k in range(10)),
+        "synthetic-cifar10",
+        f"synthetic stand-in in CIFAR-10's format: {reason or 'requested explicitly'}",
+        True,
+    )
+
+
 def fashion_mnist(
     split: str,
     *,
@@ -372,7 +423,8 @@ def load_image_dataset(
     """A data set by name: ``fashion-mnist`` (real, or the labelled stand-in), ``synthetic-fashion-mnist``
     (60,000 / 10,000 stand-in images; ``synthetic-fashion-mnist:N`` for N / N // 6, small runs),
     ``mnist`` and ``cifar10`` (from ``root`` or ``$FEDVEIL_DATA_DIR/mnist``, ``.../cifar-10-batches-bin``;
-    no stand-in), or ``folder:<path>``."""
+    for ``cifar10`` the labelled :func:`synthetic_cifar10` stand-in when absent and ``allow_synthetic``),
+    ``synthetic-cifar10`` (50,000 / 10,000; ``:N`` for N / N // 5), or ``folder:<path>``."""
     env = os.environ.get("FEDVEIL_DATA_DIR")
     if name == "fashion-mnist":
         return fashion_mnist(split, root=root, allow_synthetic=allow_synthetic, seed=seed)
@@ -384,9 +436,26 @@ def load_image_dataset(
             raise ConfigError(f"data set {name!r}: the training size after ':' must be an integer >= 6")
         n = int(size)
         return synthetic_fashion_mnist(n if split == "train" else max(1, n // 6), seed=seed, split=split)
+    if name == "synthetic-cifar10" or name.startswith("synthetic-cifar10:"):
+        size = name.partition(":")[2]
+        if size and (not size.isdigit() or int(size) < 6):
+            raise ConfigError(f"data set {name!r}: the training size after ':' must be an integer >= 6")
+        n_train = int(size) if size else 50000
+        n = n_train if split == "train" else (max(1, n_train // 5) if size else 10000)
+        return synthetic_cifar10(n, seed=seed, split=split)
     if name in ("mnist", "cifar10"):
         sub = "mnist" if name == "mnist" else "cifar-10-batches-bin"
         where = Path(root) if root is not None else (Path(env) / sub if env else None)
+        if name == "cifar10" and allow_synthetic and (where is None or not where.is_dir()):
+            looked = (
+                "no directory given (pass root=... or set FEDVEIL_DATA_DIR)" if where is None else str(where)
+            )
+            return synthetic_cifar10(
+                50000 if split == "train" else 10000,
+                seed=seed,
+                split=split,
+                reason=f"CIFAR-10's binary version not found: {looked}",
+            )
         if where is None:
             raise ConfigError(
                 f"{name} needs its files: pass root=... or set FEDVEIL_DATA_DIR (with {sub}/ in it)"
