@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedveil.attacks.lira import lira_attack, lira_scores, logit_confidence
+from fedveil.attacks.lira import lira_attack, lira_scores, lira_variants, logit_confidence
 from fedveil.attacks.mia_nasr import nasr_attack, nasr_features, parameter_layers, snapshot_model
 from fedveil.attacks.mia_yeom import per_example_loss, yeom_attack, yeom_scores
 from fedveil.attacks.views import ModelView, NoPlaintextView, SealedView, UpdateView
@@ -285,6 +285,11 @@ def test_lira_separates_members_of_an_overfit_model(setting: Setting) -> None:
     )
     assert offline.threshold_source == "best_balanced_accuracy"
     assert offline.auc > 0.7
+    both = lira_variants(
+        view, setting.x, setting.y, setting.is_member, train_mlp, rng=np.random.default_rng(3), num_shadow=8
+    )
+    # one set of shadows serves both tests: the same reports as two separate runs with the same draws
+    assert both["online"].auc == report.auc and both["offline"].auc == offline.auc
 
 
 def test_lira_is_at_chance_on_the_control(setting: Setting) -> None:

@@ -45,7 +45,7 @@ from fedveil.attacks.scores import (
 from fedveil.attacks.views import ObserverView, require_model_view
 from fedveil.errors import ConfigError, ValidationError
 
-__all__ = ["TrainFn", "lira_attack", "lira_scores", "logit_confidence"]
+__all__ = ["TrainFn", "lira_attack", "lira_scores", "lira_variants", "logit_confidence"]
 
 TrainFn = Callable[[torch.Tensor, torch.Tensor, int], nn.Module]
 Augmentation = Callable[[torch.Tensor], torch.Tensor]
@@ -167,16 +167,53 @@ def lira_attack(
     ``num_shadow >= 4`` (two IN and two OUT models per example), offline ``>= 3``. A sealed view raises
     :class:`NoPlaintextView`.
     """
+    variant = "online" if online else "offline"
+    return lira_variants(
+        target,
+        x,
+        y,
+        is_member,
+        train_fn,
+        rng=rng,
+        num_shadow=num_shadow,
+        variants=(variant,),
+        global_variance=global_variance,
+        augmentations=augmentations,
+        batch_size=batch_size,
+    )[variant]
+
+
+def lira_variants(
+    target: ObserverView,
+    x: ArrayLike | torch.Tensor,
+    y: ArrayLike | torch.Tensor,
+    is_member: ArrayLike,
+    train_fn: TrainFn,
+    *,
+    rng: np.random.Generator,
+    num_shadow: int = 16,
+    variants: Sequence[str] = ("online", "offline"),
+    global_variance: bool | None = None,
+    augmentations: Sequence[Augmentation] | None = None,
+    batch_size: int = 1024,
+) -> dict[str, AttackScores]:
+    """:func:`lira_attack` for several ``variants`` (``"online"``, ``"offline"``) from one set of shadow
+    models (the offline test uses the OUT models the online one trains anyway): ``{variant: report}``."""
     view = require_model_view(target, "LiRA")
     xt, yt = as_examples(x, y)
     truth = as_binary_labels(is_member, xt.shape[0], name="is_member")
     if not callable(train_fn):
         raise ConfigError(f"train_fn must be callable as train_fn(x, y, seed) -> nn.Module, got {train_fn!r}")
-    least = 4 if online else 3
+    unknown = [v for v in variants if v not in ("online", "offline")]
+    if unknown or not variants:
+        raise ConfigError(f"LiRA variants {list(variants)!r} must be among online, offline")
+    least = 4 if "online" in variants else 3
     if isinstance(num_shadow, bool) or not isinstance(num_shadow, (int, np.integer)) or num_shadow < least:
+        kind = "online" if "online" in variants else "offline"
         raise ConfigError(
-            f"num_shadow must be an integer >= {least} for {'online' if online else 'offline'} LiRA "
-            f"(at least two {'IN and two ' if online else ''}OUT models per example), got {num_shadow!r}"
+            f"num_shadow must be an integer >= {least} for {kind} LiRA "
+            f"(at least two {'IN and two ' if kind == 'online' else ''}OUT models per example), "
+            f"got {num_shadow!r}"
         )
     pooled = bool(num_shadow < _GLOBAL_VARIANCE_BELOW) if global_variance is None else bool(global_variance)
     queries = list(augmentations) if augmentations is not None else [lambda batch: batch]
@@ -207,18 +244,21 @@ def lira_attack(
         if not isinstance(model, nn.Module):
             raise ValidationError(f"LiRA: train_fn must return a torch.nn.Module, got {type(model).__name__}")
         shadow_phi.append(phis(model))
-    scores = lira_scores(
-        phis(view.model), np.stack(shadow_phi), shadow_in, online=online, global_variance=pooled
-    )
-    return score_attack(
-        "lira_online" if online else "lira_offline",
-        scores,
-        truth,
-        threshold=0.0 if online else None,
-        details={
-            "num_shadow": shadows,
-            "global_variance": pooled,
-            "queries": len(queries),
-            "augmented": augmentations is not None,
-        },
-    )
+    target_phi, stacked = phis(view.model), np.stack(shadow_phi)
+    reports = {}
+    for variant in variants:
+        online = variant == "online"
+        scores = lira_scores(target_phi, stacked, shadow_in, online=online, global_variance=pooled)
+        reports[variant] = score_attack(
+            f"lira_{variant}",
+            scores,
+            truth,
+            threshold=0.0 if online else None,
+            details={
+                "num_shadow": shadows,
+                "global_variance": pooled,
+                "queries": len(queries),
+                "augmented": augmentations is not None,
+            },
+        )
+    return reports

@@ -33,7 +33,7 @@ from fedveil.attacks.dlg import dlg_attack
 from fedveil.attacks.idlg import idlg_attack
 from fedveil.attacks.inversion import client_gradient_view, evaluate_inversion, save_inversion_grid
 from fedveil.attacks.inverting_gradients import inverting_gradients_attack
-from fedveil.attacks.lira import lira_attack
+from fedveil.attacks.lira import lira_variants
 from fedveil.attacks.mia_nasr import nasr_attack
 from fedveil.attacks.mia_yeom import per_example_loss, yeom_attack
 from fedveil.attacks.observe import WireObserver
@@ -313,7 +313,10 @@ def run_membership(
                     ModelView(f"{name}: released global model", model), x, y, is_member, rng=rng
                 )
             else:
-                scores = lira_attack(released, x, y, is_member, train_fn, rng=rng, num_shadow=shadows)
+                both = lira_variants(released, x, y, is_member, train_fn, rng=rng, num_shadow=shadows)
+                for variant, scores in both.items():
+                    reports[f"lira-{variant}/{name}"] = scores
+                continue
             reports[f"{attack}/{name}"] = scores
     summary = {
         "run": {
