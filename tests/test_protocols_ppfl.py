@@ -13,6 +13,7 @@ import torch
 
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.enclave.layerwise import LayerwiseState, ParamSpec
+from fedveil.enclave.measure import EnclaveConfig
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.experiments.runner import device_sessions
 from fedveil.models.zoo import build_model, count_parameters
@@ -116,11 +117,13 @@ def _run(
     tap: Any = None,
     wrap: Any = None,
     boundary: str = "inprocess",
+    memory_limit_bytes: int | None = None,
 ) -> tuple[PpflServer, PpflClients, SimulationRuntime]:
     data = _data()
     model = _model()
     platform = SimulatedPlatform.generate()
-    host = EnclaveHost.start(platform=platform, boundary=boundary)
+    config = None if memory_limit_bytes is None else EnclaveConfig(memory_limit_bytes=memory_limit_bytes)
+    host = EnclaveHost.start(config, platform=platform, boundary=boundary)
     sessions = device_sessions(data.user_ids, platform.public_key, host.measurement)
     sizes = tee_bytes or {c: 64 * 2**20 for c in data.user_ids}
     pool = PpflClients(
@@ -328,6 +331,33 @@ def test_the_server_enclave_in_its_own_process_gives_the_same_run() -> None:
     b, _, _ = _run(cfg, boundary="process")
     assert [line["accuracy"] for r in a.reports for line in r.rounds] == [
         line["accuracy"] for r in b.reports for line in r.rounds
+    ]
+
+
+def test_a_small_enclave_averages_in_several_requests_with_the_same_result() -> None:
+    """The enclave's memory bound splits a round's sealed updates into several requests, summed inside in
+    float64: the same run, number for number, as one request."""
+    cfg = PpflConfig(rounds_per_stage=2, local_epochs=1, batch_size=8)
+    calls: list[int] = []
+    original = EnclaveHost._call
+
+    def count(self: EnclaveHost, header: Any, blobs: Any) -> Any:
+        if header["op"] == "layer_aggregate":
+            calls.append(len(blobs))
+        return original(self, header, blobs)
+
+    a, _, _ = _run(cfg)
+    EnclaveHost._call = count  # type: ignore[method-assign]
+    try:
+        b, _, _ = _run(cfg, memory_limit_bytes=4 * 2**20)
+    finally:
+        EnclaveHost._call = original  # type: ignore[method-assign]
+    assert max(calls) < 4 and len(calls) > 4  # each round's 4 updates in more than one request
+    assert [line["accuracy"] for r in a.reports for line in r.rounds] == [
+        line["accuracy"] for r in b.reports for line in r.rounds
+    ]
+    assert [line["loss"] for r in a.reports for line in r.rounds] == [
+        line["loss"] for r in b.reports for line in r.rounds
     ]
 
 

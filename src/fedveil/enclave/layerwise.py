@@ -9,7 +9,8 @@ For each layer (or block of layers) ``l`` the server's enclave
 2. each round seals ``theta_l`` to every selected client's TEE (records of kind ``model``, bound to the
    round; a client session's channel, :mod:`fedveil.enclave.channel`);
 3. opens the clients' sealed updates (kind ``update``: ``theta_l^(j)`` followed by the client's mean
-   training loss), checks each one's length and finiteness, and replaces ``theta_l`` by their average:
+   training loss; in as many requests as its memory bound needs, summed in float64 between them),
+   checks each one's length and finiteness, and replaces ``theta_l`` by their average:
    ``theta_l = 1 / size(J) * sum_j theta_l^(j)`` (Alg. 1, "FedAvg with Secure Aggregation ... in TEE"),
    or the sample-weighted average when asked;
 4. after the layer's last round releases ``theta_l^0`` to the REE (Alg. 1, "Save theta_l from TEE as
@@ -97,11 +98,14 @@ class LayerwiseState:
         self.theta: np.ndarray | None = None
         self.kept: np.ndarray | None = None
         self.last_round = -1
+        self._round: int | None = None
+        self._sum: np.ndarray | None = None
+        self._weight = 0.0
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of the layer in training and any kept tail."""
-        return sum(a.nbytes for a in (self.theta, self.kept) if a is not None)
+        """Bytes of the layer in training, any kept tail, and a round's running sum."""
+        return sum(a.nbytes for a in (self.theta, self.kept, self._sum) if a is not None)
 
     def begin(self, stage: int, specs: Sequence[ParamSpec], seed: int) -> int:
         """Initialise ``theta_l`` of ``stage`` inside; returns its number of values."""
@@ -138,13 +142,19 @@ class LayerwiseState:
         num_samples: Mapping[str, int],
         *,
         weighted: bool,
+        final: bool = True,
     ) -> tuple[dict[str, str], float | None]:
-        """Replace ``theta_l`` by the average of the valid ``updates`` (each ``theta_l^(j)`` then the
-        client's mean loss). Returns the rejected clients with reasons, and the clients' mean loss."""
+        """Fold the valid ``updates`` (each ``theta_l^(j)`` then the client's mean loss) into round
+        ``rnd``'s running sum; with ``final``, replace ``theta_l`` by the average (``1 / size(J)``, or
+        weighted by ``num_samples``) of every update folded this round. A round may come in several
+        requests (the enclave's memory bounds one request); the sum is kept in float64 between them.
+        Returns the rejected clients with reasons, and (when ``final``) the clients' mean loss, ``None``
+        if no update was valid (``theta_l`` is then unchanged)."""
         theta = self.current(stage)
         self.check_round(rnd)
+        if self._round != rnd:
+            self._round, self._sum, self._weight = rnd, None, 0.0
         rejected: dict[str, str] = {}
-        good: dict[str, np.ndarray] = {}
         for cid, values in updates.items():
             if values.shape != (theta.size + 1,):
                 rejected[cid] = (
@@ -153,14 +163,18 @@ class LayerwiseState:
             elif not np.isfinite(values).all():
                 rejected[cid] = "ValidationError: update contains NaN or infinity"
             else:
-                good[cid] = values
-        if not good:
+                weight = float(num_samples[cid]) if weighted else 1.0
+                if self._sum is None:
+                    self._sum = np.zeros(theta.size + 1, dtype=np.float64)
+                self._sum += weight * values
+                self._weight += weight
+        if not final:
             return rejected, None
-        w = np.array([num_samples[c] if weighted else 1 for c in good], dtype=np.float64)
-        w /= w.sum()
-        total = np.zeros(theta.size + 1, dtype=np.float64)
-        for weight, values in zip(w, good.values(), strict=True):
-            total += weight * values
+        total, weight = self._sum, self._weight
+        self._round, self._sum, self._weight = None, None, 0.0
+        if total is None:
+            return rejected, None
+        total /= weight
         self.theta = total[:-1].astype(np.float32)
         self.last_round = rnd
         return rejected, float(total[-1])

@@ -33,9 +33,10 @@ gradients into it, and receive their derivatives directly from it. Every request
     PPFL Alg. 1 (:mod:`fedveil.enclave.layerwise`): ``{"stage", "seed", "specs"}`` initialises the layer
     under training inside; ``{"round", "stage", "clients", "kept"}`` seals it (or, with ``kept``, the
     tail kept inside after training) to each client's session as a ``model`` record; ``{"round",
-    "stage", "clients", "num_samples", "weighted"}`` with one sealed ``update`` record per client opens
-    them (failures reject that client only), averages them inside and releases only the clients' mean
-    loss; ``{"stage", "keep"}`` releases the trained layer to the host, but for its last ``keep`` values.
+    "stage", "clients", "num_samples", "weighted", "final"}`` with one sealed ``update`` record per client
+    opens them (failures reject that client only) and folds them into the round's sum inside; the
+    ``final`` request of a round averages and releases only the clients' mean loss; ``{"stage", "keep"}``
+    releases the trained layer to the host, but for its last ``keep`` values.
 ``shutdown``
     Ends the enclave process's loop.
 
@@ -555,9 +556,11 @@ class EnclaveService:
         rnd, stage = _int(header, "round"), _int(header, "stage")
         clients = _clients(header, len(blobs))
         num_samples = _num_samples(header, len(clients))
-        weighted = header.get("weighted")
-        if type(weighted) is not bool:
-            raise CodecError(f"request field 'weighted' is {weighted!r}, expected a bool")
+        weighted, final = header.get("weighted"), header.get("final")
+        if type(weighted) is not bool or type(final) is not bool:
+            raise CodecError(
+                f"request fields 'weighted' and 'final' are {weighted!r}, {final!r}: expected bools"
+            )
         theta = self._layers.current(stage)
         sealed_total = sum(b.nbytes for b in blobs)
         self._check_fits(
@@ -566,7 +569,7 @@ class EnclaveService:
         updates, rejected = self._open_records(clients, blobs, kind=UPDATE, rnd=rnd, attempt=0, ndim=1)
         meter.hold(size + sealed_total + 8 * (theta.size + 1))
         more, loss = self._layers.average(
-            stage, rnd, updates, dict(zip(clients, num_samples, strict=True)), weighted=weighted
+            stage, rnd, updates, dict(zip(clients, num_samples, strict=True)), weighted=weighted, final=final
         )
         rejected.update(more)
         accepted = [c for c in clients if c in updates and c not in more]

@@ -390,25 +390,31 @@ class EnclaveHost:
         *,
         weighted: bool = False,
     ) -> LayerAggregateResult:
-        """Open the clients' sealed updates and average them inside (Alg. 1); only the mean training
-        loss comes out."""
+        """Open the clients' sealed updates and average them inside (Alg. 1), in as many requests as the
+        enclave's memory limit needs; only the mean training loss comes out."""
         if set(sealed) != set(num_samples):
             raise ValidationError("layer_aggregate: sealed updates and num_samples name different clients")
-        clients = [check_client_id(c) for c in sealed]
-        head, _ = self._call(
-            {
-                "op": "layer_aggregate",
-                "round": rnd,
-                "stage": stage,
-                "clients": clients,
-                "num_samples": [int(num_samples[c]) for c in clients],
-                "weighted": weighted,
-            },
-            [sealed[c] for c in clients],
-        )
-        return LayerAggregateResult(
-            list(head["clients"]), dict(head["rejected"]), head["loss"], head["peak_bytes"]
-        )
+        accepted: list[str] = []
+        rejected: dict[str, str] = {}
+        batches = list(self._batches(sealed)) if sealed else [[]]
+        peak, loss = 0, None
+        for i, batch in enumerate(batches):
+            head, _ = self._call(
+                {
+                    "op": "layer_aggregate",
+                    "round": rnd,
+                    "stage": stage,
+                    "clients": batch,
+                    "num_samples": [int(num_samples[c]) for c in batch],
+                    "weighted": weighted,
+                    "final": i == len(batches) - 1,
+                },
+                [sealed[c] for c in batch],
+            )
+            accepted.extend(head["clients"])
+            rejected.update(head["rejected"])
+            peak, loss = max(peak, head["peak_bytes"]), head["loss"]
+        return LayerAggregateResult(accepted, rejected, loss, peak)
 
     def layer_release(self, stage: int, *, keep: int = 0) -> np.ndarray:
         """End ``stage``: the trained layer released to the REE, but for its last ``keep`` values."""
