@@ -264,6 +264,13 @@ class EnclaveClientSession:
         """Whether :meth:`hello` was called (a session serves one handshake)."""
         return bool(self._nonce)
 
+    def renewed(self) -> EnclaveClientSession:
+        """A new session with the same pinned verifier and measurement, for the next handshake (a
+        re-registration attests a restarted enclave afresh)."""
+        return EnclaveClientSession(
+            self.client_id, verifier=self.verifier, expected_measurement=self.expected_measurement
+        )
+
     def hello(self) -> bytes:
         """The client hello (fresh key and nonce); only one per session."""
         if self._nonce:

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from torch.func import grad, vmap
 
-from fedveil.core.attestation_verify import EnclaveClientSession
 from fedveil.core.communicator import ClientId, Communicator
 from fedveil.enclave.aggregate import aggregate_gradients
 from fedveil.enclave.dp import private_derivatives
@@ -468,11 +467,8 @@ class FDMLClients:
         server runs a new enclave, which the device must attest afresh)."""
         hello = None
         if self.sessions is not None:
-            old = self.sessions[cid]
-            if old.used:
-                self.sessions[cid] = EnclaveClientSession(
-                    cid, verifier=old.verifier, expected_measurement=old.expected_measurement
-                )
+            if self.sessions[cid].used:
+                self.sessions[cid] = self.sessions[cid].renewed()
             hello = self.sessions[cid].hello()
         return Register("fdml", dict(self.attributes[cid]), hello)
 

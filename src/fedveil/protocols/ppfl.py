@@ -482,10 +482,7 @@ class PpflClients:
         tee = self.tees[cid]
         if isinstance(m, RegistrationCall):
             if tee.session.used:
-                old = tee.session
-                tee.session = EnclaveClientSession(
-                    cid, verifier=old.verifier, expected_measurement=old.expected_measurement
-                )
+                tee.session = tee.session.renewed()
             role = "eval" if cid in self.evaluators else "train"
             attributes = {TEE_ATTRIBUTE: str(tee.tee_bytes), ROLE_ATTRIBUTE: role}
             return Register("ppfl", attributes, tee.session.hello())
