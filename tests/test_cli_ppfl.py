@@ -86,3 +86,53 @@ def test_table_3_measure_rounds_to_reach_e2e(tmp_path: Path, capsys) -> None:
         assert results["bytes_to_reach"] == results["bytes_up"] + results["bytes_down"]
     else:
         assert not hits and results["rounds_to_reach"] is None and len(lines) == 12
+
+
+def test_ppfl_transfer_sweep_resumes_and_draws_fig_8(tmp_path: Path, capsys) -> None:
+    """Appendix A.1: one run per (public fraction, last units), E2E once; a second call trains nothing."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY.replace("name: tiny", "name: tiny_transfer\npublic_epochs: 1"))
+    out = tmp_path / "sweep"
+    argv = ["ppfl", "transfer", str(config), "--fractions", "0.5", "1", "--last", "1", "4", "--out", str(out)]
+    assert main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [(r["fraction"], r["train_last"]) for r in summary["runs"]] == [
+        (0.5, 1),
+        (0.5, 4),
+        (1.0, 1),
+        (1.0, 4),
+    ]
+    assert [r["public_samples"] for r in summary["runs"]] == [36, 36, 72, 72]
+    assert all(0 <= r["final_accuracy"] <= 1 and r["rounds"] == 2 for r in summary["runs"])
+    # training all four units needs more TEE than training the last one
+    assert summary["runs"][1]["tee_bytes_needed"] > summary["runs"][0]["tee_bytes_needed"]
+    assert (out / "transfer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    stamp = (out / "f0.5_last1" / "results.json").stat().st_mtime_ns
+    assert main(argv) == 0
+    assert "done before" in capsys.readouterr().out
+    assert (out / "f0.5_last1" / "results.json").stat().st_mtime_ns == stamp
+
+
+def test_ppfl_transfer_from_a_safetensors_file(tmp_path: Path) -> None:
+    """Sec. 4.3 with a model pre-trained elsewhere: its weights come from safetensors (never pickle); a
+    file of another architecture is refused before training, naming the tensor."""
+    from fedveil.experiments.ppfl_runner import run_ppfl
+    from fedveil.models.weights import save_weights
+    from fedveil.models.zoo import build_model
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY + "  train_last: 2\n")
+    weights = tmp_path / "lenet.safetensors"
+    save_weights(build_model("lenet", num_classes=10, in_channels=1, image_size=28, seed=5), weights)
+    run = load_ppfl_run(config, {"pretrained": str(weights), "e2e": False})
+    results = run_ppfl(run, tmp_path / "run", show_bar=False)
+    assert results["train_last"] == 2 and results["public"]["pretrained"] == str(weights)
+    assert [s["units"] for s in results["stages"]] == [[2, 3]]
+    wrong = tmp_path / "cifar.safetensors"
+    save_weights(build_model("lenet", num_classes=10, in_channels=3, image_size=32), wrong)
+    with pytest.raises(ConfigError, match=r"tensor units.0.0.weight has shape \(20, 3, 5, 5\)"):
+        run_ppfl(load_ppfl_run(config, {"pretrained": str(wrong)}), tmp_path / "bad", show_bar=False)
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(TINY)
+    with pytest.raises(ConfigError, match=r"needs both ppfl\.train_last"):
+        load_ppfl_run(plain, {"public_fraction": 0.5})

@@ -22,9 +22,12 @@ from fedveil.protocols.ppfl import (
     PpflClients,
     PpflConfig,
     PpflServer,
+    Stage,
     measure_tee_memory,
     param_specs,
     plan_stages,
+    plan_transfer,
+    public_unit_values,
     stage_input_shape,
     stage_net,
     tee_memory,
@@ -118,6 +121,7 @@ def _run(
     wrap: Any = None,
     boundary: str = "inprocess",
     memory_limit_bytes: int | None = None,
+    public: torch.nn.Module | None = None,
 ) -> tuple[PpflServer, PpflClients, SimulationRuntime]:
     data = _data()
     model = _model()
@@ -131,6 +135,8 @@ def _run(
         data,
         optimizer=cfg.optimizer(),
         seed=0,
+        block_size=cfg.block_size,
+        train_last=cfg.train_last,
         sessions=sessions,
         tee_bytes=sizes,
         evaluators=["eval"],
@@ -138,7 +144,7 @@ def _run(
     if wrap is not None:
         wrap(pool)
     runtime = SimulationRuntime(pool, rng=np.random.default_rng(1), tap=tap)
-    server = PpflServer(model, cfg, host, np.random.default_rng(2))
+    server = PpflServer(model, cfg, host, np.random.default_rng(2), public=public)
 
     async def go() -> None:
         await server.setup(runtime)
@@ -432,3 +438,59 @@ def test_enclave_refuses_bad_layer_requests() -> None:
             host.layer_begin(0, [ParamSpec((2,), "zeros")], 0)
     finally:
         host.close()
+
+
+def test_transfer_plans_one_stage_of_the_last_units() -> None:
+    """PPFL Sec. 4.3 / Appendix A.1: the clients train the model's last 1..4 layer units, no classifier."""
+    model = _model()
+    assert plan_transfer(model, 2) == [Stage(0, (2, 3), True, classifier=False)]
+    assert [s.units for s in PpflConfig(train_last=4).stages(model)] == [(0, 1, 2, 3)]
+    net = stage_net(model, plan_transfer(model, 1)[0])
+    assert count_parameters(net.classifier) == 0
+    assert count_parameters(net) == count_parameters(model.layer_units()[3])
+    with pytest.raises(ConfigError, match="train_last 5 must be an integer from 1 to the 4 layer units"):
+        plan_transfer(model, 5)
+    with pytest.raises(ConfigError, match="drop one of the two settings"):
+        PpflConfig(train_last=1, keep_classifier_in_tee=True)
+
+
+def test_transfer_freezes_the_public_units_and_trains_the_last_ones_from_public_values() -> None:
+    """The public model's first units reach every device in the clear and stay frozen; its last units
+    seed theta_l inside the enclave (not the random initialisation) and are trained in the TEEs."""
+    torch.manual_seed(3)
+    public = _model()
+    cfg = replace(SMALL, train_last=2)
+    opened: list[np.ndarray] = []
+    server, pool, _ = _run(cfg, public=public, wrap=_SpyTees(opened))
+    values = public_unit_values(_model(), public)
+    assert [r.stage for r in server.reports] == [0]
+    trained = pool.trained_model("c0")
+    flat = [torch.cat([p.reshape(-1) for p in u.parameters()]).detach().numpy() for u in trained]
+    assert len(flat) == 4
+    np.testing.assert_array_equal(flat[0], values[0])
+    np.testing.assert_array_equal(flat[1], values[1])
+    assert not np.allclose(flat[3], values[3])
+    # the first layer a TEE opened is the public tail, not a random draw
+    np.testing.assert_array_equal(opened[0], np.concatenate(values[2:]))
+    assert server.reports[0].rounds[-1]["accuracy"] > 0.6
+
+
+def test_transfer_refuses_a_public_model_of_another_shape() -> None:
+    platform = SimulatedPlatform.generate()
+    with EnclaveHost.start(platform=platform) as host:
+        other = build_model("lenet", num_classes=5, in_channels=1, image_size=SIDE)
+        with pytest.raises(ConfigError, match=r"public parameter units.3.0.weight has shape \(5, 500\)"):
+            PpflServer(_model(), replace(SMALL, train_last=1), host, np.random.default_rng(0), public=other)
+        with pytest.raises(ConfigError, match="needs a public model"):
+            PpflServer(_model(), replace(SMALL, train_last=1), host, np.random.default_rng(0))
+
+
+def test_enclave_refuses_initial_values_of_the_wrong_size() -> None:
+    specs = [ParamSpec((3, 2), "uniform", 0.5)]
+    state = LayerwiseState()
+    with pytest.raises(ValidationError, match="initial values of shape \\(5,\\) for a layer of 6 values"):
+        state.begin(0, specs, 0, np.zeros(5, dtype=np.float32))
+    with pytest.raises(ValidationError, match="need 6 finite values"):
+        state.begin(0, specs, 0, np.full(6, np.nan, dtype=np.float32))
+    assert state.begin(0, specs, 0, np.arange(6, dtype=np.float32)) == 6
+    np.testing.assert_array_equal(state.current(0), np.arange(6))

@@ -6,6 +6,8 @@
   (:func:`fedveil.experiments.ppfl_runner.run_ppfl`) and prints the per-layer summary.
 - ``fedveil ppfl attacks [--model M] [--data D] [--dra-targets N] [--seed S] [--out DIR] [--json]``: Table 2,
   each attack on what each observer sees (:func:`fedveil.experiments.ppfl_attacks.ppfl_attack_table`).
+- ``fedveil ppfl transfer CONFIG [--fractions F ...] [--last K ...] [--out DIR] [--json]``: Appendix A.1 /
+  Fig. 8, transfer from public data (:func:`fedveil.experiments.ppfl_transfer.run_transfer_sweep`).
 - ``fedveil ppfl memory [--model M] [--batch-size B] [--data D] [--json]`` prints ``S_l`` per stage
   (parameters, gradients, optimizer, activations) and the measured peak of the same training steps.
 """
@@ -38,6 +40,20 @@ def register(subparsers: Any) -> None:
     a.add_argument("--seed", type=int, default=0, help="seed of everything random (default 0)")
     a.add_argument("--out", type=Path, default=None, help="folder for ppfl_attacks.json")
     a.add_argument("--json", action="store_true", help="print the JSON report")
+    t = actions.add_parser(
+        "transfer", help="Appendix A.1: public-data fraction vs client-trained last layers"
+    )
+    t.add_argument(
+        "config", type=Path, help="YAML settings without transfer keys, e.g. configs/ppfl/transfer_lenet.yaml"
+    )
+    t.add_argument(
+        "--fractions", type=float, nargs="+", default=[0.1, 0.5, 1.0], help="public data (default 0.1 0.5 1)"
+    )
+    t.add_argument(
+        "--last", type=int, nargs="+", default=[1, 2, 3, 4], help="last units trained (default 1 2 3 4)"
+    )
+    t.add_argument("--out", type=Path, default=None, help="sweep directory (default: runs/<name>); resumes")
+    t.add_argument("--json", action="store_true", help="print transfer.json (no progress output)")
     m = actions.add_parser("memory", help="S_l per layer stage: the TEE memory model and the measured peak")
     m.add_argument("--model", default="lenet", help="zoo model (default lenet)")
     m.add_argument(
@@ -112,12 +128,36 @@ def _attacks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _transfer(args: argparse.Namespace) -> int:
+    from fedveil.experiments.ppfl_runner import load_ppfl_run
+    from fedveil.experiments.ppfl_transfer import run_transfer_sweep
+
+    cfg = load_ppfl_run(args.config)
+    out = args.out or Path("runs") / cfg.name
+    summary = run_transfer_sweep(
+        cfg, out, args.fractions, args.last, progress=None if args.json else print, show_bar=not args.json
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return 0
+    print(f"E2E FedAvg: {summary['e2e_accuracy']:.4f}")
+    for row in summary["runs"]:
+        print(
+            f"public fraction {row['fraction']:g} ({row['public_samples']} images, alone "
+            f"{row['public_accuracy']:.4f}), last {row['train_last']} units: {row['final_accuracy']:.4f}"
+        )
+    print(f"sweep directory: {out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Dispatch to the action; the work is in :mod:`fedveil.experiments.ppfl_runner`."""
     if args.action == "memory":
         return _memory(args)
     if args.action == "attacks":
         return _attacks(args)
+    if args.action == "transfer":
+        return _transfer(args)
     from dataclasses import replace
 
     from fedveil.experiments.ppfl_runner import load_ppfl_run, run_ppfl

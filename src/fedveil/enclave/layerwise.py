@@ -5,7 +5,9 @@ For each layer (or block of layers) ``l`` the server's enclave
 1. initialises ``theta_l`` (the layer and the classifier the clients train atop it) *inside*, from the
    parameter shapes and PyTorch's default initialisation rule (:class:`ParamSpec`), with a generator
    seeded at :meth:`LayerwiseState.begin` (a seed fixed by the experiment, so runs repeat; the values
-   never leave the enclave unsealed);
+   never leave the enclave unsealed), or, when the server transfers public knowledge (PPFL Sec. 4.3,
+   Appendix A.1), from the public values the host hands in (a model pre-trained on public data: public,
+   so the host may see them; what the clients make of them is sealed from then on);
 2. each round seals ``theta_l`` to every selected client's TEE (records of kind ``model``, bound to the
    round; a client session's channel, :mod:`fedveil.enclave.channel`);
 3. opens the clients' sealed updates (kind ``update``: ``theta_l^(j)`` followed by the client's mean
@@ -107,8 +109,11 @@ class LayerwiseState:
         """Bytes of the layer in training, any kept tail, and a round's running sum."""
         return sum(a.nbytes for a in (self.theta, self.kept, self._sum) if a is not None)
 
-    def begin(self, stage: int, specs: Sequence[ParamSpec], seed: int) -> int:
-        """Initialise ``theta_l`` of ``stage`` inside; returns its number of values."""
+    def begin(
+        self, stage: int, specs: Sequence[ParamSpec], seed: int, initial: np.ndarray | None = None
+    ) -> int:
+        """Initialise ``theta_l`` of ``stage`` inside (from ``initial``, public values, when given: one
+        finite float32 value per spec value); returns its number of values."""
         if self.stage is not None and stage <= self.stage:
             raise ValidationError(
                 f"layer stage {stage} does not follow stage {self.stage}: stages only advance"
@@ -116,8 +121,17 @@ class LayerwiseState:
         total = sum(s.size for s in specs)
         if not specs or total > MAX_SPEC_PARAMS:
             raise ValidationError(f"a layer of {total} values: need 1 to {MAX_SPEC_PARAMS}")
+        if initial is not None and (initial.shape != (total,) or not np.isfinite(initial).all()):
+            raise ValidationError(
+                f"initial values of shape {initial.shape} for a layer of {total} values: need {total} "
+                "finite values"
+            )
         self.stage = stage
-        self.theta = initialise(specs, np.random.default_rng([seed, stage]))
+        self.theta = (
+            initialise(specs, np.random.default_rng([seed, stage]))
+            if initial is None
+            else initial.astype(np.float32, copy=True)
+        )
         self.kept = None
         return total
 

@@ -31,12 +31,13 @@ gradients into it, and receive their derivatives directly from it. Every request
     gradient to the host for the optimizer step, as FDML's cloud updates the global network.
 ``layer_begin`` / ``layer_broadcast`` / ``layer_aggregate`` / ``layer_release``
     PPFL Alg. 1 (:mod:`fedveil.enclave.layerwise`): ``{"stage", "seed", "specs"}`` initialises the layer
-    under training inside; ``{"round", "stage", "clients", "kept"}`` seals it (or, with ``kept``, the
-    tail kept inside after training) to each client's session as a ``model`` record; ``{"round",
-    "stage", "clients", "num_samples", "weighted", "final"}`` with one sealed ``update`` record per client
-    opens them (failures reject that client only) and folds them into the round's sum inside; the
-    ``final`` request of a round averages and releases only the clients' mean loss; ``{"stage", "keep"}``
-    releases the trained layer to the host, but for its last ``keep`` values.
+    under training inside (from one blob of public float32 values, when the request carries one);
+    ``{"round", "stage", "clients", "kept"}`` seals it (or, with ``kept``, the tail kept inside after
+    training) to each client's session as a ``model`` record; ``{"round", "stage", "clients",
+    "num_samples", "weighted", "final"}`` with one sealed ``update`` record per client opens them
+    (failures reject that client only) and folds them into the round's sum inside; the ``final`` request
+    of a round averages and releases only the clients' mean loss; ``{"stage", "keep"}`` releases the
+    trained layer to the host, but for its last ``keep`` values.
 ``shutdown``
     Ends the enclave process's loop.
 
@@ -521,7 +522,10 @@ class EnclaveService:
         specs = [ParamSpec.from_json(v) for v in specs_json]
         total = sum(spec.size for spec in specs)
         self._check_fits(8 * total, f"layer stage {stage} of {total} values")
-        count = self._layers.begin(stage, specs, seed)
+        if len(blobs) > 1:
+            raise CodecError(f"layer_begin takes at most one blob of initial values, not {len(blobs)}")
+        initial = np.asarray(decode_array(blobs[0], dtype="<f4", ndim=1)) if blobs else None
+        count = self._layers.begin(stage, specs, seed, initial)
         meter.hold(size + 4 * count)
         return {"ok": True, "stage": stage, "size": count}, []
 

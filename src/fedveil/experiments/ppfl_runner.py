@@ -5,7 +5,11 @@ A YAML config names the data and model (as :class:`~fedveil.experiments.fedavg_i
 the same clients, partition and test subset), the devices' TEE sizes, PPFL's settings
 (:class:`~fedveil.protocols.ppfl.PpflConfig`, the ``ppfl:`` block) and whether to train the end-to-end
 FedAvg baseline over the same total number of rounds (``e2e: true``, as Fig. 2 draws it), or first, as
-the target PPFL must reach (``reach_e2e_rounds: N``, Table 3). The run
+the target PPFL must reach (``reach_e2e_rounds: N``, Table 3). With ``ppfl.train_last: k`` the run
+transfers public knowledge (PPFL Sec. 4.3, Appendix A.1): the server first trains the whole model on
+public data (``public_fraction`` times the clients' total number of examples, drawn from training
+images no client holds, for ``public_epochs`` epochs), or loads it from ``pretrained`` (a safetensors
+file); the clients keep its first units frozen and train its last ``k`` in their TEEs. The run
 directory holds:
 
 - ``config.json``: the settings, as parsed;
@@ -26,6 +30,7 @@ A run is short at the sizes that run here; an interrupted one is started again f
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -36,23 +41,28 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from torch import nn
 from tqdm import tqdm
 
 from fedveil.core.atomic import atomic_write
 from fedveil.data.federated import FederatedDataset, UserData
+from fedveil.data.images import ImageData
 from fedveil.errors import ConfigError
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.plots import plot_series
 from fedveil.experiments.runner import device_sessions
+from fedveil.models.flat import FlatModel
 from fedveil.models.vision import LayerwiseNet
+from fedveil.models.weights import load_weights
 from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ImageFedAvgConfig
-from fedveil.protocols.ppfl import HIKEY_TEE_BYTES, PpflClients, PpflConfig, PpflServer, plan_stages
+from fedveil.protocols.local import local_train
+from fedveil.protocols.ppfl import HIKEY_TEE_BYTES, PpflClients, PpflConfig, PpflServer
 from fedveil.runtime.enclave_host import BOUNDARIES, EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
 from fedveil.runtime.simulation import SimulationRuntime
 
-__all__ = ["PpflRun", "TrainedPpfl", "load_ppfl_run", "run_ppfl", "train_ppfl"]
+__all__ = ["PpflRun", "TrainedPpfl", "load_ppfl_run", "run_ppfl", "train_central", "train_e2e", "train_ppfl"]
 
 EVALUATOR = "evaluator"
 
@@ -76,6 +86,9 @@ class PpflRun:
     boundary: str = "inprocess"
     e2e: bool = True
     reach_e2e_rounds: int | None = None
+    public_fraction: float | None = None
+    public_epochs: int = 10
+    pretrained: str | None = None
     threads: int = 2
     ppfl: PpflConfig = field(default_factory=PpflConfig)
 
@@ -92,6 +105,29 @@ class PpflRun:
             raise ConfigError(f"reach_e2e_rounds {self.reach_e2e_rounds!r} must be an integer >= 1 (or null)")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ConfigError(f"threads {self.threads!r} must be an integer >= 1")
+        if self.public_fraction is not None and not (
+            isinstance(self.public_fraction, (int, float)) and 0 < self.public_fraction <= 10
+        ):
+            raise ConfigError(
+                f"public_fraction {self.public_fraction!r} must be > 0 (times the clients' examples; "
+                "PPFL Appendix A.1 uses 0.1, 0.5 and 1.0)"
+            )
+        if (
+            isinstance(self.public_epochs, bool)
+            or not isinstance(self.public_epochs, int)
+            or self.public_epochs < 1
+        ):
+            raise ConfigError(f"public_epochs {self.public_epochs!r} must be an integer >= 1")
+        transfer = self.public_fraction is not None or self.pretrained is not None
+        if self.public_fraction is not None and self.pretrained is not None:
+            raise ConfigError(
+                "give public_fraction (train on public data) or pretrained (a weights file), not both"
+            )
+        if transfer != (self.ppfl.train_last is not None):
+            raise ConfigError(
+                "transfer needs both ppfl.train_last (how many last layer units the clients train) and a "
+                "public model (public_fraction or pretrained)"
+            )
         self.images()
 
     def images(self) -> FedAvgRun:
@@ -163,7 +199,7 @@ def run_ppfl(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(run.threads)
-    plan_stages(_model(run, 10, 3, 32), run.ppfl.block_size)  # a bad block size fails before any loading
+    run.ppfl.stages(_model(run, 10, 3, 32))  # a bad block size or train_last fails before any loading
     config = asdict(run)
     split = split_images(run.images())
     config["data_source"] = split.train.describe()
@@ -172,7 +208,7 @@ def run_ppfl(
     e2e: list[dict[str, Any]] | None = None
     if run.reach_e2e_rounds is not None:
         started = time.perf_counter()
-        e2e = _train_e2e(run, split, run.reach_e2e_rounds, show_bar)
+        e2e = train_e2e(run, split, run.reach_e2e_rounds, show_bar)
         e2e_seconds = time.perf_counter() - started
         target = e2e[-1]["test_accuracy"]
         say(f"E2E FedAvg: {len(e2e)} rounds, accuracy {target:.4f}: PPFL's target")
@@ -226,10 +262,14 @@ def run_ppfl(
         "bytes_down": sum(line["bytes_down"] for line in lines),
         "final_accuracy": final.get("accuracy", lines[-1].get("accuracy") if lines else None),
         "seconds": seconds,
+        "phase_seconds": _phase_seconds(server),
     }
+    if trained.public:
+        results["public"] = trained.public
+        results["train_last"] = run.ppfl.train_last
     say(f"PPFL: {len(lines)} rounds in {seconds:.0f} s, final accuracy {results['final_accuracy']}")
     series = {
-        f"PPFL layer {r.stage + 1}": [
+        (f"PPFL last {run.ppfl.train_last} units" if trained.public else f"PPFL layer {r.stage + 1}"): [
             (line["round"], line["accuracy"]) for line in r.rounds if "accuracy" in line
         ]
         for r in server.reports
@@ -242,7 +282,7 @@ def run_ppfl(
         results["bytes_to_reach"] = results["bytes_up"] + results["bytes_down"] if reached else None
     elif run.e2e:
         started = time.perf_counter()
-        e2e = _train_e2e(run, split, len(lines), show_bar)
+        e2e = train_e2e(run, split, len(lines), show_bar)
         e2e_seconds = time.perf_counter() - started
     if e2e is not None:
         results["e2e_rounds"] = len(e2e)
@@ -263,6 +303,21 @@ def run_ppfl(
     return results
 
 
+def _phase_seconds(server: PpflServer) -> list[dict[str, Any]]:
+    """Table 4: per stage, the median seconds of each phase of a round (broadcast: sealing theta_l to the
+    cohort in the enclave; train: the clients' REE forward, TEE training and sealing, with the simulated
+    network's transfers; aggregate: opening and averaging in the enclave)."""
+    out = []
+    for r in server.reports:
+        if not r.rounds:
+            continue
+        row: dict[str, Any] = {"stage": r.stage, "units": list(r.units), "rounds": len(r.rounds)}
+        for phase in ("broadcast", "train", "aggregate"):
+            row[phase] = float(np.median([line[f"seconds_{phase}"] for line in r.rounds]))
+        out.append(row)
+    return out
+
+
 @dataclass
 class TrainedPpfl:
     """A finished PPFL run: the ``server`` (per-stage reports), the devices (``pool``: what each REE
@@ -274,6 +329,7 @@ class TrainedPpfl:
     model: LayerwiseNet
     final: dict[str, float]
     seconds: float
+    public: dict[str, Any] = field(default_factory=dict)
 
 
 def train_ppfl(
@@ -295,6 +351,7 @@ def train_ppfl(
     platform = SimulatedPlatform.generate()
     cfg = run.ppfl
     final: dict[str, float] = {}
+    public_model, public_info = _public_model(run, split, model)
     with EnclaveHost.start(platform=platform, boundary=run.boundary) as host:
         sessions = device_sessions(data.user_ids, platform.public_key, host.measurement)
         pool = PpflClients(
@@ -303,12 +360,13 @@ def train_ppfl(
             optimizer=cfg.optimizer(),
             seed=run.seed,
             block_size=cfg.block_size,
+            train_last=cfg.train_last,
             sessions=sessions,
             tee_bytes=tee,
             evaluators=[EVALUATOR],
         )
         runtime = SimulationRuntime(pool, rng=np.random.default_rng(run.seed + 1), tap=tap)
-        server = PpflServer(model, cfg, host, np.random.default_rng(run.seed + 2))
+        server = PpflServer(model, cfg, host, np.random.default_rng(run.seed + 2), public=public_model)
         start = time.perf_counter()
 
         async def go() -> None:
@@ -321,10 +379,71 @@ def train_ppfl(
 
         asyncio.run(go())
         seconds = time.perf_counter() - start
-    return TrainedPpfl(server, pool, model, final, seconds)
+    return TrainedPpfl(server, pool, model, final, seconds, public_info)
 
 
-def _train_e2e(run: PpflRun, split: ImageSplit, rounds: int, show_bar: bool) -> list[dict[str, Any]]:
+def _public_model(
+    run: PpflRun, split: ImageSplit, model: LayerwiseNet
+) -> tuple[nn.Module | None, dict[str, Any]]:
+    """The public model a transfer run starts from (module docstring), and what to report about it."""
+    if run.pretrained is not None:
+        loaded = load_weights(model, run.pretrained)
+        return loaded, {"pretrained": run.pretrained, "accuracy": _accuracy(loaded, split.test)}
+    if run.public_fraction is None:
+        return None, {}
+    used = np.concatenate([split.member_index, split.non_member_index])
+    pool = np.setdiff1d(np.arange(len(split.train)), used)
+    count = max(1, round(run.public_fraction * len(split.members)))
+    if count > len(pool):
+        raise ConfigError(
+            f"public_fraction {run.public_fraction} asks for {count} public examples; {split.train.name} has "
+            f"{len(pool)} that no client holds"
+        )
+    index = np.sort(np.random.default_rng([run.seed, 11]).choice(pool, count, replace=False))
+    public = split.train.subset(index)
+    trained = train_central(model, public, run.ppfl, run.public_epochs, seed=run.seed)
+    return trained, {
+        "fraction": run.public_fraction,
+        "samples": count,
+        "epochs": run.public_epochs,
+        "accuracy": _accuracy(trained, split.test),
+    }
+
+
+def train_central(model: nn.Module, data: ImageData, cfg: PpflConfig, epochs: int, *, seed: int) -> nn.Module:
+    """The server's training on public data (PPFL Appendix A.1): a copy of ``model`` trained centrally for
+    ``epochs`` epochs with the clients' optimiser settings (SGD, momentum, rate decayed per epoch)."""
+    trained = copy.deepcopy(model).train()
+    flat = FlatModel(trained)
+    rng = np.random.default_rng([seed, 12])
+    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    batches, rates = [], []
+    for epoch in range(epochs):
+        order = torch.from_numpy(rng.permutation(len(y)))
+        for s in range(0, len(y), cfg.batch_size):
+            idx = order[s : s + cfg.batch_size]
+            batches.append((x[idx], y[idx]))
+            rates.append(cfg.lr * cfg.epoch_decay**epoch)
+    p, _ = local_train(
+        lambda q, t, labels: nn.functional.cross_entropy(flat(q, t), labels),
+        torch.from_numpy(flat.initial()),
+        batches,
+        cfg.optimizer(),
+        rates,
+        inplace=True,
+    )
+    flat.load_into_module(p.detach().numpy())
+    return trained.eval()
+
+
+def _accuracy(model: nn.Module, data: ImageData) -> float:
+    with torch.no_grad():
+        model.eval()
+        logits = model(torch.from_numpy(data.x))
+    return float((logits.argmax(1).numpy() == data.y).mean())
+
+
+def train_e2e(run: PpflRun, split: ImageSplit, rounds: int, show_bar: bool) -> list[dict[str, Any]]:
     """End-to-end FedAvg with PPFL's client settings, over ``rounds`` rounds (the one FedAvg engine); its
     rate is not decayed per epoch (the engine's schedule is per round)."""
     cfg = run.ppfl

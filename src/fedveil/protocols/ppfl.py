@@ -73,6 +73,8 @@ from fedveil.protocols.ppfl_messages import (
     LayerFitRequest,
     LayerRelease,
     LayerReleased,
+    PublicLayers,
+    PublicLayersSet,
 )
 from fedveil.protocols.registration import attest_clients, register_clients
 from fedveil.runtime.enclave_host import EnclaveHost
@@ -87,6 +89,8 @@ __all__ = [
     "TeeMemory",
     "measure_tee_memory",
     "plan_stages",
+    "plan_transfer",
+    "public_unit_values",
     "stage_net",
     "tee_memory",
 ]
@@ -103,11 +107,14 @@ ROLE_ATTRIBUTE = "role"
 @dataclass(frozen=True)
 class Stage:
     """Stage ``index`` trains the model's layer units ``units`` (a block; one unit by default) with a
-    classifier atop them; ``last`` when its classifier is the model's own FC units."""
+    classifier atop them; ``last`` when its classifier is the model's own FC units. A transfer stage
+    (``classifier`` false, :func:`plan_transfer`) trains the model's last units themselves, with no
+    classifier of its own."""
 
     index: int
     units: tuple[int, ...]
     last: bool
+    classifier: bool = True
 
 
 def _has(module: nn.Module, kind: type) -> bool:
@@ -148,6 +155,23 @@ def plan_stages(model: LayerwiseNet, block_size: int = 1) -> list[Stage]:
         Stage(i, tuple(range(s, min(s + block_size, count))), s + block_size >= count)
         for i, s in enumerate(starts)
     ]
+
+
+def plan_transfer(model: LayerwiseNet, train_last: int) -> list[Stage]:
+    """Transfer of public knowledge (PPFL Sec. 4.3, Appendix A.1): one stage in which the clients'
+    TEEs train the model's last ``train_last`` layer units (FC and convolutional alike), atop the
+    first ones, pre-trained on public data and frozen in every REE."""
+    if _has(model, nn.modules.batchnorm._BatchNorm):
+        raise ConfigError(
+            f"{type(model).__name__} has BatchNorm layers; PPFL here trains networks without them"
+        )
+    count = len(model.layer_units())
+    if isinstance(train_last, bool) or not isinstance(train_last, int) or not 1 <= train_last <= count:
+        raise ConfigError(
+            f"train_last {train_last!r} must be an integer from 1 to the {count} layer units of "
+            f"{type(model).__name__}"
+        )
+    return [Stage(0, tuple(range(count - train_last, count)), True, classifier=False)]
 
 
 class StageNet(nn.Module):
@@ -195,8 +219,10 @@ def stage_net(model: LayerwiseNet, stage: Stage) -> StageNet:
     """The layers and classifier a TEE trains in ``stage`` (module docstring); fresh copies whose values
     are placeholders: the server's enclave initialises ``theta_l``."""
     units = model.layer_units()
-    count = conv_units(model)
     layers = [copy.deepcopy(units[i]) for i in stage.units]
+    if not stage.classifier:
+        return StageNet(layers, nn.Sequential())
+    count = conv_units(model)
     heads = [copy.deepcopy(u) for u in units[count:]]
     if stage.last:
         return StageNet(layers, nn.Sequential(*heads))
@@ -365,6 +391,32 @@ def measure_tee_memory(
     return 4 * p.numel() + meter.peak
 
 
+def public_unit_values(model: LayerwiseNet, public: nn.Module) -> list[np.ndarray]:
+    """The public model's values, one flat float32 vector per layer unit of ``model``; ``public`` must
+    have ``model``'s architecture (the same parameter names and shapes), else a :class:`ConfigError`
+    naming the first difference."""
+    theirs = {name: p.detach() for name, p in public.named_parameters()}
+    ours = dict(model.named_parameters())
+    if set(theirs) != set(ours):
+        missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+        raise ConfigError(
+            f"the public model's parameters differ from {type(model).__name__}'s: missing {missing[:4]}, "
+            f"unexpected {extra[:4]}"
+        )
+    for name, p in ours.items():
+        if tuple(theirs[name].shape) != tuple(p.shape):
+            raise ConfigError(
+                f"public parameter {name} has shape {tuple(theirs[name].shape)}; "
+                f"{type(model).__name__} needs {tuple(p.shape)}"
+            )
+    values = []
+    for i, unit in enumerate(model.layer_units()):
+        names = [f"units.{i}.{n}" for n, _ in unit.named_parameters()]
+        parts = [theirs[n].reshape(-1).numpy().astype(np.float32) for n in names]
+        values.append(np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32))
+    return values
+
+
 # --- the client TEE and REE -------------------------------------------------------------------------------
 
 
@@ -433,6 +485,7 @@ class PpflClients:
         optimizer: LocalOptimizer,
         seed: int,
         block_size: int = 1,
+        train_last: int | None = None,
         sessions: Mapping[ClientId, EnclaveClientSession],
         tee_bytes: Mapping[ClientId, int] | None = None,
         evaluators: Sequence[ClientId] = (),
@@ -442,7 +495,7 @@ class PpflClients:
         self.model = model
         self.data = data
         self.optimizer = optimizer
-        self.stages = plan_stages(model, block_size)
+        self.stages = plan_transfer(model, train_last) if train_last else plan_stages(model, block_size)
         self.evaluators = set(evaluators)
         unknown = self.evaluators - set(data.user_ids)
         if unknown:
@@ -491,6 +544,8 @@ class PpflClients:
             return SessionReady("ppfl")
         if isinstance(m, LayerRelease):
             return self._freeze(cid, m)
+        if isinstance(m, PublicLayers):
+            return self._public(cid, m)
         if isinstance(m, LayerFitRequest):
             return self._fit(cid, m)
         if isinstance(m, LayerEvalRequest):
@@ -527,9 +582,32 @@ class PpflClients:
         self.released[cid] = m.stage
         return LayerReleased(m.stage)
 
+    def _public(self, cid: ClientId, m: PublicLayers) -> PublicLayersSet:
+        """Freeze the public layer units the transfer stage trains atop (PPFL Sec. 4.3)."""
+        first = self.stages[0].units[0]
+        expect(
+            not self.stages[0].classifier and m.units == first,
+            f"public layers of {m.units} units; this device's plan trains from unit {first} on "
+            f"{'with' if self.stages[0].classifier else 'without'} a classifier",
+        )
+        expect(self.released[cid] == -1 and not self.frozen[cid], "public layers come before any training")
+        layers = nn.Sequential(*(copy.deepcopy(u) for u in self.model.layer_units()[:first]))
+        size = sum(p.numel() for p in layers.parameters())
+        expect(
+            m.weights.size == size,
+            f"public layers of {m.weights.size} values, units 0..{first - 1} have {size}",
+        )
+        FlatModel(layers).load_into_module(np.asarray(m.weights))
+        self.frozen[cid] = list(layers.eval().requires_grad_(False))
+        return PublicLayersSet(m.units)
+
     def trained_model(self, cid: ClientId) -> nn.Module:
         """The network as device ``cid``'s REE holds it after training: the released layers and, unless
-        the classifier stayed in the TEEs, the released classifier (the target model's FC layers)."""
+        the classifier stayed in the TEEs, the released classifier (the target model's FC layers); after
+        a transfer stage, the public units and the trained last ones."""
+        last = self.stages[-1]
+        if not last.classifier and self.released[cid] == last.index:
+            return nn.Sequential(*self.frozen[cid])
         if cid not in self.heads:
             raise ValidationError(
                 f"device {cid} holds no released classifier (kept in the TEE, or not trained)"
@@ -603,6 +681,7 @@ class PpflConfig:
     epoch_decay: float = 0.99
     momentum: float = 0.5
     block_size: int = 1
+    train_last: int | None = None
     keep_classifier_in_tee: bool = False
     target_accuracy: float | None = None
     patience: int | None = None
@@ -624,12 +703,21 @@ class PpflConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ppfl.{name} must be an integer >= 1, not {value!r}")
+        if self.train_last is not None and (
+            isinstance(self.train_last, bool) or not isinstance(self.train_last, int) or self.train_last < 1
+        ):
+            raise ConfigError(f"ppfl.train_last {self.train_last!r} must be an integer >= 1 (or null)")
         if self.clients_per_round is not None and self.clients_per_round < 1:
             raise ConfigError(
                 f"ppfl.clients_per_round {self.clients_per_round!r} must be >= 1 (or null: all)"
             )
         if not 0 < self.epoch_decay <= 1:
             raise ConfigError(f"ppfl.epoch_decay {self.epoch_decay!r} must lie in (0, 1]")
+        if self.train_last is not None and self.keep_classifier_in_tee:
+            raise ConfigError(
+                "ppfl.keep_classifier_in_tee keeps a stage's classifier inside; a transfer stage "
+                "(ppfl.train_last) has none: drop one of the two settings"
+            )
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise ConfigError(f"ppfl.target_accuracy {self.target_accuracy!r} must lie in (0, 1]")
         if self.patience is not None and self.patience < 1:
@@ -639,6 +727,13 @@ class PpflConfig:
     def optimizer(self) -> LocalOptimizer:
         """The clients' SGD (the per-epoch decay is applied through the step rates)."""
         return LocalOptimizer("sgd", lr=self.lr, momentum=self.momentum)
+
+    def stages(self, model: LayerwiseNet) -> list[Stage]:
+        """The stages both sides derive from the settings: layer-wise (:func:`plan_stages`) or, with
+        ``train_last``, the one transfer stage (:func:`plan_transfer`)."""
+        if self.train_last is not None:
+            return plan_transfer(model, self.train_last)
+        return plan_stages(model, self.block_size)
 
 
 @dataclass
@@ -657,13 +752,27 @@ class PpflServer:
     """Alg. 1 over a :class:`Communicator`, with the layer in training held in ``enclave``."""
 
     def __init__(
-        self, model: LayerwiseNet, cfg: PpflConfig, enclave: EnclaveHost, rng: np.random.Generator
+        self,
+        model: LayerwiseNet,
+        cfg: PpflConfig,
+        enclave: EnclaveHost,
+        rng: np.random.Generator,
+        *,
+        public: nn.Module | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
         self.enclave = enclave
         self.rng = rng
-        self.stages = plan_stages(model, cfg.block_size)
+        self.stages = cfg.stages(model)
+        self.public: list[np.ndarray] = []
+        if cfg.train_last is not None:
+            if public is None:
+                raise ConfigError(
+                    "ppfl.train_last needs a public model to transfer (PPFL Sec. 4.3): train one on public "
+                    "data or load pre-trained weights"
+                )
+            self.public = public_unit_values(model, public)
         self.nets = [stage_net(model, s) for s in self.stages]
         opt = cfg.optimizer()
         self.memory = [
@@ -730,6 +839,8 @@ class PpflServer:
         self, comm: Communicator, progress: Callable[[dict[str, Any]], None] | None = None
     ) -> list[StageReport]:
         """Alg. 1 over all stages; returns a report per stage (and calls ``progress`` per round)."""
+        if self.public:
+            await self._send_public(comm)
         for stage, net, memory in zip(self.stages, self.nets, self.memory, strict=True):
             report = await self._train_stage(comm, stage, net, memory, progress)
             share_head = stage.last and not self.cfg.keep_classifier_in_tee
@@ -752,7 +863,8 @@ class PpflServer:
         eligible = self.eligible(memory)
         report = StageReport(stage.index, stage.units, memory, len(eligible))
         self.reports.append(report)
-        self.enclave.layer_begin(stage.index, param_specs(net), cfg.seed)
+        initial = np.concatenate([self.public[u] for u in stage.units]) if self.public else None
+        self.enclave.layer_begin(stage.index, param_specs(net), cfg.seed, initial)
         timing: dict[str, float] = {}
         outcome: dict[str, Any] = {}
         size = cfg.clients_per_round or len(eligible)
@@ -830,6 +942,23 @@ class PpflServer:
                     report.stopped = "converged"
                     break
         return report
+
+    async def _send_public(self, comm: Communicator) -> None:
+        """Transfer (PPFL Sec. 4.3, step 1 of Fig. 1): the public model's first units, before the
+        transfer stage trains the rest from the public values inside the TEEs."""
+        first = self.stages[0].units[0]
+        if first == 0:
+            return
+        everyone = [*self.members, *self.evaluators]
+        message = PublicLayers(first, np.concatenate(self.public[:first]).astype(np.float32))
+        await comm.request(
+            {c: message for c in everyone},
+            phase="public",
+            min_replies=len(everyone),
+            timeout=self.cfg.timeout,
+            expected=PublicLayersSet,
+            validate=lambda cid, msg: expect(msg.units == first, f"froze {msg.units} units, sent {first}"),
+        )
 
     async def _release(self, comm: Communicator, stage: int, weights: np.ndarray) -> None:
         """Broadcast the released layer(s) to every device's REE, which freezes them."""

@@ -83,3 +83,21 @@ class LayerReleased:
     """The client froze the released layer(s) of ``stage``."""
 
     stage: int
+
+
+@message("ppfl.public_layers")
+@dataclass(frozen=True)
+class PublicLayers:
+    """Transfer of public knowledge (PPFL Sec. 4.3, Appendix A.1): the first ``units`` layer units of a
+    model pre-trained on public data, in the clear, which every client keeps frozen in its REE."""
+
+    units: int
+    weights: np.ndarray = array_field(dtype="float32", ndim=1)
+
+
+@message("ppfl.public_layers_set")
+@dataclass(frozen=True)
+class PublicLayersSet:
+    """The client froze the ``units`` public layer units."""
+
+    units: int

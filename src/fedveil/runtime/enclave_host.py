@@ -39,7 +39,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedveil.core.attestation_verify import ServerHello
-from fedveil.enclave.channel import RECORD_OVERHEAD, check_client_id, decode_array, pack_frame, unpack_frame
+from fedveil.enclave.channel import (
+    RECORD_OVERHEAD,
+    check_client_id,
+    decode_array,
+    encode_array,
+    pack_frame,
+    unpack_frame,
+)
 from fedveil.enclave.layerwise import ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
 from fedveil.enclave.service import FRAME_SLACK_BYTES, SESSION_BYTES, EnclaveMemoryError, EnclaveService
@@ -362,11 +369,15 @@ class EnclaveHost:
 
     # --- PPFL (Alg. 1; fedveil.enclave.layerwise) ------------------------------------------------------
 
-    def layer_begin(self, stage: int, specs: Sequence[ParamSpec], seed: int) -> int:
+    def layer_begin(
+        self, stage: int, specs: Sequence[ParamSpec], seed: int, initial: np.ndarray | None = None
+    ) -> int:
         """Initialise layer stage ``stage`` inside the enclave from its parameter ``specs`` (the host
-        never sees the values); returns its number of values."""
+        never sees the values), or from ``initial``, public values the host hands in (a model pre-trained
+        on public data, PPFL Sec. 4.3); returns its number of values."""
+        blobs = [] if initial is None else [encode_array(np.asarray(initial, dtype=np.float32))]
         head, _ = self._call(
-            {"op": "layer_begin", "stage": stage, "seed": seed, "specs": [s.to_json() for s in specs]}, []
+            {"op": "layer_begin", "stage": stage, "seed": seed, "specs": [s.to_json() for s in specs]}, blobs
         )
         return int(head["size"])
 
