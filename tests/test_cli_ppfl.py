@@ -136,3 +136,21 @@ def test_ppfl_transfer_from_a_safetensors_file(tmp_path: Path) -> None:
     plain.write_text(TINY)
     with pytest.raises(ConfigError, match=r"needs both ppfl\.train_last"):
         load_ppfl_run(plain, {"public_fraction": 0.5})
+
+
+def test_ppfl_cost_measures_each_stage_with_and_without_the_tee(tmp_path: Path, capsys) -> None:
+    """Fig. 3: per stage a plain and a TEE measurement (fresh processes), and E2E; all positive."""
+    plot = tmp_path / "cost.png"
+    argv = ["ppfl", "cost", "--model", "lenet", "--repeats", "1", "--plot", str(plot), "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["mode"], r["stage"]) for r in rows] == [
+        ("plain", 0),
+        ("tee", 0),
+        ("plain", 1),
+        ("tee", 1),
+        ("e2e", None),
+    ]
+    assert all(r["cpu_seconds"] > 0 and r["max_rss_bytes"] > 0 and r["rss_increase_bytes"] >= 0 for r in rows)
+    assert rows[-1]["units"] == [0, 1, 2, 3]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

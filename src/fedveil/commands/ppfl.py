@@ -8,6 +8,9 @@
   each attack on what each observer sees (:func:`fedveil.experiments.ppfl_attacks.ppfl_attack_table`).
 - ``fedveil ppfl transfer CONFIG [--fractions F ...] [--last K ...] [--out DIR] [--json]``: Appendix A.1 /
   Fig. 8, transfer from public data (:func:`fedveil.experiments.ppfl_transfer.run_transfer_sweep`).
+- ``fedveil ppfl cost [--model M] [--data D] [--steps N] [--repeats R] [--plot PNG] [--json]``: Fig. 3,
+  a client's CPU time and memory with and without the TEE emulation
+  (:func:`fedveil.experiments.ppfl_cost.measure_client_costs`).
 - ``fedveil ppfl memory [--model M] [--batch-size B] [--data D] [--json]`` prints ``S_l`` per stage
   (parameters, gradients, optimizer, activations) and the measured peak of the same training steps.
 """
@@ -54,6 +57,22 @@ def register(subparsers: Any) -> None:
     )
     t.add_argument("--out", type=Path, default=None, help="sweep directory (default: runs/<name>); resumes")
     t.add_argument("--json", action="store_true", help="print transfer.json (no progress output)")
+    c = actions.add_parser(
+        "cost", help="Fig. 3: a client's CPU time and memory per step, with and without TEE"
+    )
+    c.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+    c.add_argument(
+        "--data", default="fashion-mnist", choices=("fashion-mnist", "cifar10"), help="input shape"
+    )
+    c.add_argument("--batch-size", type=int, default=16, help="batch size (default 16, PPFL Sec. 6.2)")
+    c.add_argument("--block-size", type=int, default=1, help="layers per stage (default 1; Fig. 5: 2)")
+    c.add_argument(
+        "--steps", type=int, default=1, help="training steps per measured block (default 1, Fig. 3)"
+    )
+    c.add_argument("--repeats", type=int, default=9, help="measured blocks, median taken (default 9)")
+    c.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    c.add_argument("--plot", type=Path, default=None, help="write Fig. 3's bars to this PNG")
+    c.add_argument("--json", action="store_true", help="print JSON")
     m = actions.add_parser("memory", help="S_l per layer stage: the TEE memory model and the measured peak")
     m.add_argument("--model", default="lenet", help="zoo model (default lenet)")
     m.add_argument(
@@ -128,6 +147,29 @@ def _attacks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cost(args: argparse.Namespace) -> int:
+    from fedveil.experiments.ppfl_cost import measure_client_costs, plot_client_costs
+
+    channels, side = (1, 28) if args.data == "fashion-mnist" else (3, 32)
+    costs = measure_client_costs(
+        args.model,
+        channels=channels,
+        side=side,
+        batch_size=args.batch_size,
+        block_size=args.block_size,
+        steps=args.steps,
+        repeats=args.repeats,
+        threads=args.threads,
+        progress=not args.json,
+    )
+    if args.plot is not None:
+        title = f"PPFL client cost: {args.model}, {args.steps} step(s) of batch {args.batch_size}"
+        plot_client_costs(costs, args.plot, title=title)
+    if args.json:
+        print(json.dumps([c.as_dict() for c in costs], indent=2))
+    return 0
+
+
 def _transfer(args: argparse.Namespace) -> int:
     from fedveil.experiments.ppfl_runner import load_ppfl_run
     from fedveil.experiments.ppfl_transfer import run_transfer_sweep
@@ -158,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
         return _attacks(args)
     if args.action == "transfer":
         return _transfer(args)
+    if args.action == "cost":
+        return _cost(args)
     from dataclasses import replace
 
     from fedveil.experiments.ppfl_runner import load_ppfl_run, run_ppfl
