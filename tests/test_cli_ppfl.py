@@ -154,3 +154,15 @@ def test_ppfl_cost_measures_each_stage_with_and_without_the_tee(tmp_path: Path, 
     assert all(r["cpu_seconds"] > 0 and r["max_rss_bytes"] > 0 and r["rss_increase_bytes"] >= 0 for r in rows)
     assert rows[-1]["units"] == [0, 1, 2, 3]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_ppfl_times_each_stage(capsys) -> None:
+    small = ["--clients", "2", "--samples", "8", "--epochs", "1", "--repeats", "1", "--json"]
+    assert main(["bench", "ppfl", *small]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert [s["stage"] for s in row["stages"]] == [0, 1]
+    for s in row["stages"]:
+        assert s["batched_updates_per_second"] > 0 and s["one_by_one_updates_per_second"] > 0
+        assert 0 < s["sealing_share"] < 1 and s["devices_open_and_seal_seconds"] > 0
+        assert s["sealed_bytes_per_round"] == 2 * 2 * 4 * s["num_params"]
+    assert main(["bench", "ppfl", "--clients", "0"]) == 2

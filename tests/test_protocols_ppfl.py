@@ -494,3 +494,21 @@ def test_enclave_refuses_initial_values_of_the_wrong_size() -> None:
         state.begin(0, specs, 0, np.full(6, np.nan, dtype=np.float32))
     assert state.begin(0, specs, 0, np.arange(6, dtype=np.float32)) == 6
     np.testing.assert_array_equal(state.current(0), np.arange(6))
+
+
+def test_batched_cohort_equals_device_by_device() -> None:
+    """A round's cohort trained as one vmap gives the devices' models and losses one by one gives."""
+
+    def setter(batched: bool) -> Any:
+        def wrap(pool: PpflClients) -> None:
+            pool.batched = batched
+
+        return wrap
+
+    runs = [_run(SMALL, wrap=setter(b)) for b in (True, False)]
+    (a, pa, _), (b, pb, _) = runs
+    la = [line["loss"] for r in a.reports for line in r.rounds]
+    lb = [line["loss"] for r in b.reports for line in r.rounds]
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    for x, y in zip(pa.trained_model("c1").parameters(), pb.trained_model("c1").parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)

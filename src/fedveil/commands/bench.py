@@ -28,6 +28,7 @@ def register(subparsers: Any) -> None:
     _add_codec(benches)
     _add_network(benches)
     _add_fedavg(benches)
+    _add_ppfl(benches)
     _add_dlg(benches)
     parser.set_defaults(func=run)
 
@@ -288,6 +289,54 @@ def _run_fedavg(args: argparse.Namespace) -> int:
             f"batch {row['batch_size']}: "
             f"batched {row['batched_updates_per_second']:.2f} updates/s, one by one "
             f"{row['one_by_one_updates_per_second']:.2f} updates/s (x{row['speedup']:.2f})"
+        )
+    return 0
+
+
+def _add_ppfl(sub: Any) -> None:
+    p = sub.add_parser(
+        "ppfl",
+        help="PPFL client updates per second per stage (batched vs one by one) and the sealing's share",
+        description="Rounds of each PPFL stage through the in-process enclave: sealing down, the devices' "
+        "training (batched cohort and device by device, side by side) and aggregation, timed apart.",
+    )
+    p.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+    p.add_argument(
+        "--data", default="fashion-mnist", choices=("fashion-mnist", "cifar10"), help="input shape"
+    )
+    p.add_argument("--clients", type=int, default=10, help="devices per round (default 10, Table 3)")
+    p.add_argument("--samples", type=int, default=100, help="examples per device (default 100)")
+    p.add_argument("--batch-size", type=int, default=16, help="local batch size (default 16)")
+    p.add_argument("--epochs", type=int, default=10, help="local epochs (default 10, Table 3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per mode; medians (default 3)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(bench_func=_run_ppfl)
+
+
+def _run_ppfl(args: argparse.Namespace) -> int:
+    from fedveil.experiments.bench_ppfl import bench_ppfl
+
+    for name in ("clients", "samples", "batch_size", "epochs", "repeats"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    row = bench_ppfl(
+        model=args.model,
+        data=args.data,
+        clients=args.clients,
+        samples=args.samples,
+        batch_size=args.batch_size,
+        local_epochs=args.epochs,
+        repeats=args.repeats,
+    )
+    if args.json:
+        print(json.dumps(row, indent=2))
+        return 0
+    for s in row["stages"]:
+        print(
+            f"stage {s['stage']} ({s['num_params']} parameters): batched "
+            f"{s['batched_updates_per_second']:.2f} updates/s, one by one "
+            f"{s['one_by_one_updates_per_second']:.2f} (x{s['speedup']:.2f}); sealing "
+            f"{100 * s['sealing_share']:.1f}% of a round"
         )
     return 0
 

@@ -63,8 +63,8 @@ from fedveil.errors import ConfigError, FedveilError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.models.vision import LayerwiseNet
 from fedveil.protocols.common import RoundReport, client_rng, expect
-from fedveil.protocols.fedavg import FedAvgEngine, FitResult, select_uniform
-from fedveil.protocols.local import LocalOptimizer, local_train
+from fedveil.protocols.fedavg import BATCH_BELOW_PARAMS, FedAvgEngine, FitResult, select_uniform
+from fedveil.protocols.local import LocalOptimizer, local_train, local_train_cohort
 from fedveil.protocols.messages import Register, RegistrationCall, SessionOffer, SessionReady
 from fedveil.protocols.ppfl_messages import (
     LayerEvalReply,
@@ -439,9 +439,7 @@ class ClientTee:
     ) -> bytes:
         """Open ``theta_l``, train it on the REE's ``(T_{l-1}, y)`` batches, seal it and the mean loss."""
         flat = FlatModel(net)
-        theta = np.array(self.session.open_model(rnd, record), dtype=np.float32)
-        if theta.shape != (flat.num_params,):
-            raise ValidationError(f"sealed layer of {theta.size} values, the stage has {flat.num_params}")
+        theta = self.open(rnd, record, flat.num_params)
         net.train()
         p, loss = local_train(
             lambda q, t, y: nn.functional.cross_entropy(flat(q, t), y),
@@ -451,6 +449,18 @@ class ClientTee:
             rates,
             inplace=True,
         )
+        return self.seal(rnd, p, loss)
+
+    def open(self, rnd: int, record: bytes, size: int) -> np.ndarray:
+        """``theta_l`` of round ``rnd`` opened from the server enclave's record; ``size`` values or a
+        :class:`ValidationError`."""
+        theta = np.array(self.session.open_model(rnd, record), dtype=np.float32)
+        if theta.shape != (size,):
+            raise ValidationError(f"sealed layer of {theta.size} values, the stage has {size}")
+        return theta
+
+    def seal(self, rnd: int, p: torch.Tensor, loss: torch.Tensor) -> bytes:
+        """The trained ``theta_l^(j)`` and the mean loss, sealed to the server's enclave."""
         return self.session.seal_update(rnd, np.append(p.detach().numpy(), np.float32(loss)))
 
     def evaluate(
@@ -475,6 +485,9 @@ class PpflClients:
     ``model`` is the public architecture both sides know. ``tee_bytes`` gives each client's TEE size
     (default :data:`HIKEY_TEE_BYTES`). ``evaluators`` are devices that hold an evaluation split and only
     evaluate (a held-out device, so that per-round accuracy needs no plaintext at the server).
+    ``batched``: train a round's cohort as one vectorised computation (:meth:`_fit_cohort`); ``None``
+    (default) where the stage's network is small enough for that to be faster (the FedAvg engine's rule,
+    :data:`~fedveil.protocols.fedavg.BATCH_BELOW_PARAMS`).
     """
 
     def __init__(
@@ -491,8 +504,10 @@ class PpflClients:
         evaluators: Sequence[ClientId] = (),
         x_key: str = "x",
         y_key: str = "y",
+        batched: bool | None = None,
     ) -> None:
         self.model = model
+        self.batched = batched
         self.data = data
         self.optimizer = optimizer
         self.stages = plan_transfer(model, train_last) if train_last else plan_stages(model, block_size)
@@ -522,13 +537,74 @@ class PpflClients:
         return self._nets[stage]
 
     def handle_batch(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
-        """Dispatch one phase's messages; an error is the device's reply (a dropout)."""
+        """Dispatch one phase's messages; an error is the device's reply (a dropout). Training requests
+        of a stage whose network has at most ``BATCH_BELOW_PARAMS`` parameters (or any, with
+        ``batched=True``) run as one vectorised cohort where their schedules agree (:meth:`_fit_cohort`)."""
         out: dict[ClientId, object] = {}
+        fits = {c: m for c, m in msgs.items() if isinstance(m, LayerFitRequest)}
+        if len(fits) > 1:
+            out.update(self._fit_cohort(fits))
         for cid, m in msgs.items():
+            if cid in out:
+                continue
             try:
                 out[cid] = self._handle(cid, m)
             except FedveilError as exc:
                 out[cid] = exc
+        return out
+
+    def _batched(self, stage: int) -> bool:
+        if self.batched is not None:
+            return self.batched
+        return FlatModel(self.net(stage)).num_params <= BATCH_BELOW_PARAMS
+
+    def _fit_cohort(self, fits: Mapping[ClientId, LayerFitRequest]) -> dict[ClientId, object]:
+        """Alg. 2 for several devices at once: each REE prepares its batches and each TEE opens its own
+        ``theta_l``; the training steps of a group of devices with the same stage, data size and
+        schedule run as one ``vmap`` over them (:func:`~fedveil.protocols.local.local_train_cohort`,
+        equal to one by one: ``tests/test_protocols_ppfl.py``); each TEE seals its own result. In
+        simulation, as every emulated TEE, the vectorised step runs in the simulator's process."""
+        out: dict[ClientId, object] = {}
+        groups: dict[tuple[Any, ...], list[ClientId]] = {}
+        prepared: dict[
+            ClientId, tuple[int, list[tuple[torch.Tensor, torch.Tensor]], list[float], np.ndarray]
+        ] = {}
+        for cid, m in fits.items():
+            if not (0 <= m.stage < len(self.stages)) or not self._batched(m.stage):
+                continue
+            try:
+                n, batches, rates = self._prepare(cid, m)
+                theta = self.tees[cid].open(m.round, m.record, FlatModel(self.net(m.stage)).num_params)
+            except FedveilError as exc:
+                out[cid] = exc
+                continue
+            prepared[cid] = (n, batches, rates, theta)
+            shape = (m.stage, m.round, tuple(tuple(b[0].shape) for b in batches), tuple(rates))
+            groups.setdefault(shape, []).append(cid)
+        for (stage, rnd, _, _), group in groups.items():
+            net = self.net(stage)
+            flat = FlatModel(net)
+            net.train()
+            first = prepared[group[0]]
+            batches = [
+                (
+                    torch.stack([prepared[c][1][i][0] for c in group]),
+                    torch.stack([prepared[c][1][i][1] for c in group]),
+                )
+                for i in range(len(first[1]))
+            ]
+            p = torch.from_numpy(np.stack([prepared[c][3] for c in group]))
+            p, losses = local_train_cohort(
+                lambda q, t, y, f=flat: nn.functional.cross_entropy(f(q, t), y),
+                p,
+                batches,
+                self.optimizer,
+                first[2],
+            )
+            for i, cid in enumerate(group):
+                out[cid] = LayerFitReply(
+                    rnd, stage, prepared[cid][0], self.tees[cid].seal(rnd, p[i], losses[i])
+                )
         return out
 
     def _handle(self, cid: ClientId, m: object) -> object:
@@ -630,6 +706,15 @@ class PpflClients:
         )
 
     def _fit(self, cid: ClientId, m: LayerFitRequest) -> LayerFitReply:
+        n, batches, rates = self._prepare(cid, m)
+        sealed = self.tees[cid].train(m.round, m.record, self.net(m.stage), batches, self.optimizer, rates)
+        return LayerFitReply(m.round, m.stage, n, sealed)
+
+    def _prepare(
+        self, cid: ClientId, m: LayerFitRequest
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]], list[float]]:
+        """The REE's part of Alg. 2: ``T_{l-1}`` of the device's examples through the frozen layers, in
+        shuffled mini-batches per epoch, with each step's rate (decayed per epoch)."""
         self._check_ready(cid, m.stage)
         expect(cid not in self.evaluators, "an evaluation device does not train")
         expect(m.local_epochs >= 1 and m.batch_size >= 1, "local_epochs and batch_size must be >= 1")
@@ -648,8 +733,7 @@ class PpflClients:
                 idx = order[s : s + m.batch_size]
                 batches.append((t[idx], y[idx]))
                 rates.append(m.lr * m.epoch_decay**epoch)
-        sealed = self.tees[cid].train(m.round, m.record, self.net(m.stage), batches, self.optimizer, rates)
-        return LayerFitReply(m.round, m.stage, len(t), sealed)
+        return len(t), batches, rates
 
     def _evaluate(self, cid: ClientId, m: LayerEvalRequest) -> LayerEvalReply:
         net = self.net(m.stage)
