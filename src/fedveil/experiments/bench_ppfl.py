@@ -32,7 +32,7 @@ from fedveil.errors import ConfigError
 from fedveil.experiments.runner import device_sessions
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
-from fedveil.protocols.ppfl import PpflClients, PpflConfig, param_specs
+from fedveil.protocols.ppfl import PpflClients, PpflConfig, kept_on_release, param_specs
 from fedveil.protocols.ppfl_messages import LayerFitReply, LayerFitRequest, LayerRelease
 from fedveil.runtime.enclave_host import EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
@@ -157,7 +157,7 @@ def bench_ppfl(
                     "sealed_bytes_per_round": 2 * clients * 4 * size,
                 }
             )
-            keep = 0 if stage.last else stage_net.classifier_size
+            keep = kept_on_release(stage, stage_net, final=stage.last, keep_in_tee=False)
             released = host.layer_release(stage.index, keep=keep)
             pool.handle_batch({c: LayerRelease(stage.index, released) for c in ids})
     return {

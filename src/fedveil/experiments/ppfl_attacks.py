@@ -44,8 +44,9 @@ from fedveil.experiments.attack_runs import membership_run, run_inversion, run_m
 from fedveil.experiments.fedavg_images import FedAvgRun, split_images
 from fedveil.experiments.ppfl_runner import PpflRun, train_ppfl
 from fedveil.models.flat import FlatModel
+from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ParameterPlan
-from fedveil.protocols.ppfl import PpflConfig, plan_stages, stage_net
+from fedveil.protocols.ppfl import PpflConfig, conv_units, plan_stages
 from fedveil.protocols.ppfl_messages import LayerEvalRequest, LayerFitReply, LayerFitRequest
 
 __all__ = ["ppfl_attack_table"]
@@ -123,13 +124,15 @@ def ppfl_attack_table(
     ``out/ppfl_attacks.json``) one entry per attack and learning method.
 
     ``images`` is the member split and E2E recipe (default :func:`membership_run`); PPFL trains the same
-    clients with the same local settings for half the E2E rounds per layer (LeNet's two layers: the same
-    total), the devices' TEEs ``tee_mib`` MiB. The observer's head trains ``head_epochs`` on
-    ``aux_examples`` spare training examples. DLG attacks ``dra_targets`` batch-1 uploads; the property
-    attack runs on its own recipe with ``pia_clients`` clients for ``pia_rounds`` rounds. ``e2e=False``
-    leaves out the E2E rows (each is :mod:`fedveil.experiments.attack_runs`' own experiment)."""
+    clients with the same local settings, each stage for E2E's rounds divided by the number of stages
+    (LeNet's two layers and its classifier: 13 rounds each of E2E's 40), the devices' TEEs ``tee_mib``
+    MiB. The observer's head trains ``head_epochs`` on ``aux_examples`` spare training examples. DLG
+    attacks ``dra_targets`` batch-1 uploads; the property attack runs on its own recipe with
+    ``pia_clients`` clients for ``pia_rounds`` rounds. ``e2e=False`` leaves out the E2E rows (each is
+    :mod:`fedveil.experiments.attack_runs`' own experiment)."""
     images = images or membership_run()
-    rounds = max(1, images.rounds // 2)
+    stages = plan_stages(build_model(images.model, num_classes=10, in_channels=3, image_size=32))
+    rounds = max(1, images.rounds // len(stages))
     cfg = ppfl or PpflConfig(
         rounds_per_stage=rounds,
         local_epochs=images.fedavg.local_epochs,
@@ -236,7 +239,7 @@ def _ppfl_membership(
         spare = np.setdiff1d(np.arange(len(split.train)), used)
         pick = np.random.default_rng(images.seed + 3).permutation(spare)[:aux_examples]
         aux = split.train.subset(np.sort(pick))
-        head = copy.deepcopy(stage_net(trained.model, plan_stages(trained.model)[-1]).classifier)
+        head = copy.deepcopy(nn.Sequential(*trained.model.layer_units()[conv_units(trained.model) :]))
         model = _attacker_head(
             frozen,
             head,

@@ -361,6 +361,7 @@ def train_ppfl(
             seed=run.seed,
             block_size=cfg.block_size,
             train_last=cfg.train_last,
+            classifier_stage=cfg.classifier_stage,
             sessions=sessions,
             tee_bytes=tee,
             evaluators=[EVALUATOR],

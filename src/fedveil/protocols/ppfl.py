@@ -2,13 +2,16 @@
 
 **Stages.** A :class:`~fedveil.models.vision.LayerwiseNet` is a chain of layer units. PPFL trains its
 convolutional units one at a time (or in blocks of ``k``, Sec. 6.5), each with a classifier ``C`` atop
-it, until all convolutional layers are trained (Sec. 6.2): :func:`plan_stages`. Stage ``s`` trains the
-units of its block and a classifier that "follows the last convolutional layer and fully-connected
-layers of the target model" (Sec. 6.2): for every stage but the last, a fresh copy of the model's last
-convolutional unit (its input channels set to what the stage outputs) followed by the model's FC
-units (the first one's input size recomputed); for the last stage, the model's own FC units, so that
-after the last stage the trained network *is* the target model (:func:`stage_net`). The paper's
-Fig. 2 curves are the accuracy of "layer + classifier" after each stage.
+it, until all convolutional layers are trained; "then, the classifier atop all Conv layers is finally
+trained" (Sec. 6.2): :func:`plan_stages`. A convolutional stage trains the units of its block and a
+classifier that "follows the last convolutional layer and fully-connected layers of the target model"
+(Sec. 6.2): a fresh copy of the model's last convolutional unit (its input channels set to what the stage
+outputs) followed by the model's FC units (the first one's input size recomputed); for the stage of the
+last convolutional layer, which nothing convolutional follows, a fresh copy of the FC units. The final stage
+(Table 4's "clf.") trains the model's own FC units atop all the frozen convolutional layers, so that the
+trained network *is* the target model (:func:`stage_net`). With ``classifier_stage=False`` there is no
+final stage and the last convolutional stage trains the model's own FC units as its classifier instead
+(one stage fewer). The paper's Fig. 2 curves are the accuracy of "layer + classifier" after each stage.
 
 **Alg. 1 (server)** (:class:`PpflServer`): for each stage, the clients whose TEE holds more than the
 stage's training memory ``S_l`` (:func:`tee_memory`) are eligible; ``theta_l`` is initialised inside
@@ -18,9 +21,9 @@ receives ``theta_l`` sealed to its TEE, and their sealed updates are averaged in
 (the one :class:`~fedveil.protocols.fedavg.FedAvgEngine`, with the model held in the enclave). After
 ``rounds_per_stage`` rounds, or earlier when the stage's evaluation accuracy stops improving for
 ``patience`` evaluations, the stage's layers are released to the REE and broadcast to every client,
-frozen. A stage's classifier is a training aid and never leaves the enclave, except the last stage's
-(the model's own FC layers), which is released with its layers unless ``keep_classifier_in_tee`` keeps
-it inside (Sec. 4.1's defence of the last layer against membership inference). With
+frozen. A convolutional stage's classifier is a training aid and never leaves the enclave; the final
+stage's layers (the model's own FC layers) are released unless ``keep_classifier_in_tee`` keeps them
+inside (Sec. 4.1's defence of the last layer against membership inference; :func:`kept_on_release`). With
 ``target_accuracy`` training stops as soon as an evaluation reaches it (Table 3's "rounds to reach").
 
 **Alg. 2 (client)** (:class:`PpflClients`): the REE runs the frozen, released layers ``1..l-1`` on the
@@ -87,7 +90,9 @@ __all__ = [
     "Stage",
     "StageNet",
     "TeeMemory",
+    "kept_on_release",
     "measure_tee_memory",
+    "plan",
     "plan_stages",
     "plan_transfer",
     "public_unit_values",
@@ -137,8 +142,9 @@ def conv_units(model: LayerwiseNet) -> int:
     return count
 
 
-def plan_stages(model: LayerwiseNet, block_size: int = 1) -> list[Stage]:
-    """The stages of PPFL on ``model``: its convolutional units in blocks of ``block_size`` (Sec. 6.5)."""
+def plan_stages(model: LayerwiseNet, block_size: int = 1, *, classifier_stage: bool = True) -> list[Stage]:
+    """The stages of PPFL on ``model``: its convolutional units in blocks of ``block_size`` (Sec. 6.5),
+    then (``classifier_stage``) the model's FC units atop them (module docstring)."""
     if _has(model, nn.modules.batchnorm._BatchNorm):
         raise ConfigError(
             f"{type(model).__name__} has BatchNorm layers; PPFL here trains networks without them (their "
@@ -151,10 +157,36 @@ def plan_stages(model: LayerwiseNet, block_size: int = 1) -> list[Stage]:
             f"{type(model).__name__}"
         )
     starts = list(range(0, count, block_size))
-    return [
-        Stage(i, tuple(range(s, min(s + block_size, count))), s + block_size >= count)
+    stages = [
+        Stage(
+            i, tuple(range(s, min(s + block_size, count))), not classifier_stage and s + block_size >= count
+        )
         for i, s in enumerate(starts)
     ]
+    if classifier_stage:
+        total = len(model.layer_units())
+        stages.append(Stage(len(stages), tuple(range(count, total)), True, classifier=False))
+    return stages
+
+
+def plan(
+    model: LayerwiseNet, *, block_size: int = 1, train_last: int | None = None, classifier_stage: bool = True
+) -> list[Stage]:
+    """The stages both sides derive from the settings: layer-wise (:func:`plan_stages`) or, with
+    ``train_last``, the one transfer stage (:func:`plan_transfer`)."""
+    if train_last is not None:
+        return plan_transfer(model, train_last)
+    return plan_stages(model, block_size, classifier_stage=classifier_stage)
+
+
+def kept_on_release(stage: Stage, net: StageNet, *, final: bool, keep_in_tee: bool) -> int:
+    """How many of ``theta_l``'s last values stay in the enclave when ``stage`` ends: a convolutional
+    stage's aid classifier always (it is never released); on the ``final`` stage with ``keep_in_tee``
+    (Sec. 4.1's defence of the last layer against membership inference) its classifier or, for a
+    classifier-free stage, all of it (the model's FC units); otherwise nothing."""
+    if final and keep_in_tee:
+        return net.classifier_size if stage.classifier else sum(p.numel() for p in net.parameters())
+    return 0 if stage.last else net.classifier_size
 
 
 def plan_transfer(model: LayerwiseNet, train_last: int) -> list[Stage]:
@@ -224,7 +256,7 @@ def stage_net(model: LayerwiseNet, stage: Stage) -> StageNet:
         return StageNet(layers, nn.Sequential())
     count = conv_units(model)
     heads = [copy.deepcopy(u) for u in units[count:]]
-    if stage.last:
+    if stage.units[-1] == count - 1:
         return StageNet(layers, nn.Sequential(*heads))
     out_shape = _shape_after(units[: stage.units[-1] + 1], model.input_shape)
     conv = copy.deepcopy(units[count - 1])
@@ -283,7 +315,8 @@ class TeeMemory:
     convolutions, the measured peak is 0.71 to 1.21 times the model's figure (the first stage's backward
     pass holds three activation gradients at once; the last needs no gradient of its input): the test
     ``tests/test_protocols_ppfl.py`` holds every single-layer stage to measured / predicted in
-    [0.7, 1.25]. A block of AlexNet's first two layers measures 1.32 times the model's figure (60.7 against
+    [0.7, 1.25], or, for a final stage of a few KiB (AlexNet's one FC layer), to within 64 KiB of fixed
+    temporaries. A block of AlexNet's first two layers measures 1.32 times the model's figure (60.7 against
     46.0 MiB at batch 16): for blocks of full-resolution convolutions, give TEEs that margin.
     """
 
@@ -499,6 +532,7 @@ class PpflClients:
         seed: int,
         block_size: int = 1,
         train_last: int | None = None,
+        classifier_stage: bool = True,
         sessions: Mapping[ClientId, EnclaveClientSession],
         tee_bytes: Mapping[ClientId, int] | None = None,
         evaluators: Sequence[ClientId] = (),
@@ -510,7 +544,9 @@ class PpflClients:
         self.batched = batched
         self.data = data
         self.optimizer = optimizer
-        self.stages = plan_transfer(model, train_last) if train_last else plan_stages(model, block_size)
+        self.stages = plan(
+            model, block_size=block_size, train_last=train_last, classifier_stage=classifier_stage
+        )
         self.evaluators = set(evaluators)
         unknown = self.evaluators - set(data.user_ids)
         if unknown:
@@ -524,6 +560,7 @@ class PpflClients:
         self.frozen: dict[ClientId, list[nn.Module]] = {cid: [] for cid in data.user_ids}
         self.released: dict[ClientId, int] = {cid: -1 for cid in data.user_ids}
         self.heads: dict[ClientId, nn.Module] = {}
+        self.withheld: set[ClientId] = set()
         self._nets: dict[int, StageNet] = {}
 
     def client_ids(self) -> list[ClientId]:
@@ -641,21 +678,26 @@ class PpflClients:
         net = self.net(m.stage)
         layers = copy.deepcopy(net.layers)
         size = sum(p.numel() for p in layers.parameters())
+        final = stage.index == len(self.stages) - 1
+        withheld = final and not stage.classifier and m.weights.size == 0
         expect(
-            m.weights.size in (size, size + net.classifier_size),
+            m.weights.size in (size, size + net.classifier_size) or withheld,
             f"release of {m.weights.size} values, stage {stage.index}'s layers have {size}",
         )
         expect(
             m.weights.size == size or stage.last,
             f"stage {stage.index}'s classifier is a training aid and is never released",
         )
+        self.released[cid] = m.stage
+        if withheld:
+            self.withheld.add(cid)
+            return LayerReleased(m.stage)
         FlatModel(layers).load_into_module(np.asarray(m.weights[:size]))
         self.frozen[cid].extend(layers.eval().requires_grad_(False))
         if m.weights.size > size:
             head = copy.deepcopy(net.classifier)
             FlatModel(head).load_into_module(np.asarray(m.weights[size:]))
             self.heads[cid] = head.eval().requires_grad_(False)
-        self.released[cid] = m.stage
         return LayerReleased(m.stage)
 
     def _public(self, cid: ClientId, m: PublicLayers) -> PublicLayersSet:
@@ -682,7 +724,7 @@ class PpflClients:
         the classifier stayed in the TEEs, the released classifier (the target model's FC layers); after
         a transfer stage, the public units and the trained last ones."""
         last = self.stages[-1]
-        if not last.classifier and self.released[cid] == last.index:
+        if not last.classifier and self.released[cid] == last.index and cid not in self.withheld:
             return nn.Sequential(*self.frozen[cid])
         if cid not in self.heads:
             raise ValidationError(
@@ -739,7 +781,7 @@ class PpflClients:
         net = self.net(m.stage)
         evaluated: nn.Module = net
         if self.released[cid] == m.stage:
-            evaluated = net.classifier
+            evaluated = net.classifier if self._stage(m.stage).classifier else net.layers
         else:
             self._check_ready(cid, m.stage)
         t = self._activations(cid, self.x_key)
@@ -766,6 +808,7 @@ class PpflConfig:
     momentum: float = 0.5
     block_size: int = 1
     train_last: int | None = None
+    classifier_stage: bool = True
     keep_classifier_in_tee: bool = False
     target_accuracy: float | None = None
     patience: int | None = None
@@ -815,9 +858,12 @@ class PpflConfig:
     def stages(self, model: LayerwiseNet) -> list[Stage]:
         """The stages both sides derive from the settings: layer-wise (:func:`plan_stages`) or, with
         ``train_last``, the one transfer stage (:func:`plan_transfer`)."""
-        if self.train_last is not None:
-            return plan_transfer(model, self.train_last)
-        return plan_stages(model, self.block_size)
+        return plan(
+            model,
+            block_size=self.block_size,
+            train_last=self.train_last,
+            classifier_stage=self.classifier_stage,
+        )
 
 
 @dataclass
@@ -927,8 +973,10 @@ class PpflServer:
             await self._send_public(comm)
         for stage, net, memory in zip(self.stages, self.nets, self.memory, strict=True):
             report = await self._train_stage(comm, stage, net, memory, progress)
-            share_head = stage.last and not self.cfg.keep_classifier_in_tee
-            released = self.enclave.layer_release(stage.index, keep=0 if share_head else net.classifier_size)
+            keep = kept_on_release(
+                stage, net, final=stage is self.stages[-1], keep_in_tee=self.cfg.keep_classifier_in_tee
+            )
+            released = self.enclave.layer_release(stage.index, keep=keep)
             await self._release(comm, stage.index, released)
             if report.stopped == "target":
                 break
