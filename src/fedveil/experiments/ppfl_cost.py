@@ -118,19 +118,22 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
             session = device_sessions(["c0"], platform.public_key, host.measurement)["c0"]
             session.establish(host.open_session(session.hello()))
             host.layer_begin(0, param_specs(net), 0)
-            records = [host.layer_broadcast(r + 1, 0, ["c0"])["c0"] for r in range(repeats + 1)]
             tee = ClientTee(session, 2**40)
     theta = torch.from_numpy(flat.initial())
     opt = cfg.optimizer()
 
-    def block(r: int) -> None:
+    def record(r: int) -> bytes:
+        """Round ``r + 1``'s sealed theta_l, as it arrives from the network (outside the measurement)."""
+        return host.layer_broadcast(r + 1, 0, ["c0"])["c0"] if host is not None else b""
+
+    def block(r: int, sealed: bytes) -> None:
         with torch.no_grad():
             t = x
             for unit in frozen:
                 t = torch.stack([unit(b) for b in t])
         batches = list(zip(t, y, strict=True))
         if mode == "tee":
-            tee.train(r + 1, records[r], net, batches, opt, [cfg.lr] * len(batches))
+            tee.train(r + 1, sealed, net, batches, opt, [cfg.lr] * len(batches))
         else:
             local_train(
                 lambda q, a, b: nn.functional.cross_entropy(flat(q, a), b),
@@ -143,11 +146,12 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     net.train()
     baseline = _max_rss_bytes()
-    block(0)  # warm-up (round 1); the measured blocks are rounds 2 ..
+    block(0, record(0))  # warm-up (round 1); the measured blocks are rounds 2 ..
     cpu, wall = [], []
     for r in range(1, repeats + 1):
+        sealed = record(r)
         c0, w0 = _cpu(), time.perf_counter()
-        block(r)
+        block(r, sealed)
         cpu.append(_cpu() - c0)
         wall.append(time.perf_counter() - w0)
     peak = _max_rss_bytes()
