@@ -225,6 +225,13 @@ def _run_rounds(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Refuse a count option below 1, naming it as the user typed it."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+
+
 def _add_codec(sub: Any) -> None:
     p = sub.add_parser("codec", help="wire codec throughput on a TouchAuth-sized gradient message")
     p.add_argument("--elements", type=int, default=337_280, help="float32 values in the message")
@@ -236,8 +243,7 @@ def _add_codec(sub: Any) -> None:
 def _run_codec(args: argparse.Namespace) -> int:
     from fedveil.experiments.bench_codec import bench_codec
 
-    if args.elements < 1 or args.repeats < 1:
-        raise ConfigError(f"--elements {args.elements} and --repeats {args.repeats} must be >= 1")
+    _require_positive(args, "elements", "repeats")
     row = bench_codec(elements=args.elements, repeats=args.repeats)
     if args.json:
         print(json.dumps(row, indent=2))
@@ -270,9 +276,7 @@ def _add_fedavg(sub: Any) -> None:
 def _run_fedavg(args: argparse.Namespace) -> int:
     from fedveil.experiments.bench_fedavg import bench_fedavg_updates
 
-    for name in ("clients", "samples", "batch_size", "epochs", "repeats"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    _require_positive(args, "clients", "samples", "batch_size", "epochs", "repeats")
     row = bench_fedavg_updates(
         model=args.model,
         clients=args.clients,
@@ -316,9 +320,7 @@ def _add_ppfl(sub: Any) -> None:
 def _run_ppfl(args: argparse.Namespace) -> int:
     from fedveil.experiments.bench_ppfl import bench_ppfl
 
-    for name in ("clients", "samples", "batch_size", "epochs", "repeats"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    _require_positive(args, "clients", "samples", "batch_size", "epochs", "repeats")
     row = bench_ppfl(
         model=args.model,
         data=args.data,
@@ -352,8 +354,7 @@ def _add_dlg(sub: Any) -> None:
 def _run_dlg(args: argparse.Namespace) -> int:
     from fedveil.experiments.bench_fedavg import bench_dlg
 
-    if args.iterations < 1 or args.repeats < 1:
-        raise ConfigError(f"--iterations {args.iterations} and --repeats {args.repeats} must be >= 1")
+    _require_positive(args, "iterations", "repeats")
     row = bench_dlg(iterations=args.iterations, repeats=args.repeats)
     if args.json:
         print(json.dumps(row, indent=2))
