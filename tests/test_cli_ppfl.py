@@ -169,3 +169,61 @@ def test_bench_ppfl_times_each_stage(capsys) -> None:
         assert 0 < s["sealing_share"] < 1 and s["devices_open_and_seal_seconds"] > 0
         assert s["sealed_bytes_per_round"] == 2 * 2 * 4 * s["num_params"]
     assert main(["bench", "ppfl", "--clients", "0"]) == 2
+
+
+def test_an_interrupted_run_resumes_after_its_last_finished_stage(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A crash in stage 1 leaves a checkpoint of stage 0; --resume releases stage 0's checkpointed values
+    to the devices again and trains stages 1 and 2 only; the finished run's checkpoint is removed."""
+    import numpy as np
+
+    from fedveil.experiments import ppfl_runner
+    from fedveil.experiments.checkpoint import load_checkpoint
+    from fedveil.protocols.ppfl import PpflServer
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "run"
+    original = PpflServer._train_stage
+
+    async def crash_in_stage_1(self, comm, stage, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if stage.index == 1:
+            raise KeyboardInterrupt("the machine went down")
+        return await original(self, comm, stage, *args, **kwargs)
+
+    monkeypatch.setattr(PpflServer, "_train_stage", crash_in_stage_1)
+    with pytest.raises(KeyboardInterrupt):
+        main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e"])
+    ckpt = load_checkpoint(out)
+    assert ckpt is not None and ckpt.round == 2 and list(ckpt.arrays) == ["released_0"]
+    released = ckpt.arrays["released_0"]
+    monkeypatch.setattr(PpflServer, "_train_stage", original)
+    trained_stages: list[int] = []
+    real_train = ppfl_runner.train_ppfl
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        result = real_train(*args, **kwargs)
+        trained_stages.extend(line["stage"] for r in result.server.reports[1:] for line in r.rounds)
+        frozen = result.pool.frozen[result.pool.client_ids()[0]][0]
+        np.testing.assert_array_equal(
+            np.concatenate([p.detach().numpy().ravel() for p in frozen.parameters()]), released
+        )
+        return result
+
+    monkeypatch.setattr(ppfl_runner, "train_ppfl", spy)
+    capsys.readouterr()
+    assert main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e", "--resume"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [s["rounds"] for s in results["stages"]] == [2, 2, 2] and results["rounds"] == 6
+    assert trained_stages == [1, 1, 2, 2]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["round"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert load_checkpoint(out) is None
+    # resuming a finished run returns its results; another config is refused
+    assert main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e", "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["rounds"] == 6
+    with pytest.raises(KeyboardInterrupt):
+        monkeypatch.setattr(PpflServer, "_train_stage", crash_in_stage_1)
+        main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e"])
+    assert main(["ppfl", "run", str(config), "--out", str(out), "--seed", "3", "--resume", "--no-e2e"]) == 2

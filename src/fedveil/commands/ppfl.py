@@ -1,7 +1,7 @@
 """``fedveil ppfl run CONFIG``: PPFL's greedy layer-wise training in emulated TEEs (004_f28ec6505072f6a8.txt).
 
 - ``fedveil ppfl run CONFIG [--out DIR] [--rounds N] [--seed S] [--threads T] [--no-e2e] [--json]
-  [--no-progress]``
+  [--no-progress] [--resume]``
   trains PPFL (and end-to-end FedAvg over the same total rounds), writes the run directory
   (:func:`fedveil.experiments.ppfl_runner.run_ppfl`) and prints the per-layer summary.
 - ``fedveil ppfl attacks [--model M] [--data D] [--dra-targets N] [--seed S] [--out DIR] [--json]``: Table 2,
@@ -36,6 +36,9 @@ def register(subparsers: Any) -> None:
     r.add_argument("--threads", type=int, default=None, help="torch threads (overrides the config)")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--resume", action="store_true", help="continue the run in --out after its last finished stage"
+    )
     a = actions.add_parser("attacks", help="Table 2: DLG, property and membership inference, E2E vs PPFL")
     a.add_argument("--model", default="lenet", help="zoo model (default lenet)")
     a.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
@@ -218,7 +221,13 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, ppfl=replace(cfg.ppfl, rounds_per_stage=args.rounds))
     out = args.out or Path("runs") / cfg.name
     quiet = args.json
-    results = run_ppfl(cfg, out, progress=None if quiet else print, show_bar=not (quiet or args.no_progress))
+    results = run_ppfl(
+        cfg,
+        out,
+        progress=None if quiet else print,
+        show_bar=not (quiet or args.no_progress),
+        resume=args.resume,
+    )
     if args.json:
         print(json.dumps(results, indent=2, sort_keys=True))
         return 0

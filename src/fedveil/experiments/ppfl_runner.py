@@ -23,8 +23,14 @@ directory holds:
   with ``reach_e2e_rounds``, Table 3's rounds and bytes PPFL took to reach E2E's accuracy);
 - ``accuracy.png``: test accuracy per round, one line per trained layer, and the baseline (Fig. 2).
 
-A run is short at the sizes that run here; an interrupted one is started again from the beginning
-(the layer in training lives in the enclave, which does not outlive its process).
+**Resume.** After each stage but the final one the run directory's ``checkpoint.npz`` (no pickle) holds
+the released values of the finished stages (public: every REE held them in the clear), their reports,
+the round number and E2E's rounds when trained first. ``fedveil ppfl run CONFIG --out DIR --resume``
+releases those stages to the devices again and goes on with the next one; the stage that was training
+when the run stopped starts again (its values lived in the enclave and the devices' TEEs, which do not
+outlive their processes), as does a final stage whose classifier the TEEs keep. The resumed stages draw
+other random cohorts and batches than an uninterrupted run would. The checkpoint is removed once
+``results.json`` is written.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import asyncio
 import copy
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +54,7 @@ from fedveil.core.atomic import atomic_write
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.data.images import ImageData
 from fedveil.errors import ConfigError
+from fedveil.experiments.checkpoint import CHECKPOINT, Checkpoint, load_checkpoint, save_checkpoint
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.plots import plot_series
 from fedveil.experiments.runner import device_sessions
@@ -57,7 +64,7 @@ from fedveil.models.weights import load_weights
 from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ImageFedAvgConfig
 from fedveil.protocols.local import local_train
-from fedveil.protocols.ppfl import HIKEY_TEE_BYTES, PpflClients, PpflConfig, PpflServer
+from fedveil.protocols.ppfl import HIKEY_TEE_BYTES, PpflClients, PpflConfig, PpflServer, StageReport
 from fedveil.runtime.enclave_host import BOUNDARIES, EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
 from fedveil.runtime.simulation import SimulationRuntime
@@ -193,28 +200,73 @@ def run_ppfl(
     *,
     progress: Callable[[str], None] | None = None,
     show_bar: bool = True,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Train PPFL (and the end-to-end baseline), write the run directory, return ``results.json``."""
+    """Train PPFL (and the end-to-end baseline), write the run directory, return ``results.json``.
+
+    With ``resume``, a run directory holding a checkpoint of the same config continues after the last
+    stage it finished (module docstring); one holding finished results returns them."""
     say = progress or (lambda _line: None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(run.threads)
-    run.ppfl.stages(_model(run, 10, 3, 32))  # a bad block size or train_last fails before any loading
+    stages = run.ppfl.stages(_model(run, 10, 3, 32))  # a bad block size or train_last fails before loading
     config = asdict(run)
     split = split_images(run.images())
     config["data_source"] = split.train.describe()
+    config = json.loads(json.dumps(config, sort_keys=True))
+    ckpt = load_checkpoint(out) if resume else None
+    if resume and ckpt is None and (out / "results.json").is_file():
+        say(f"{out} holds a finished run: its results.json stands")
+        return dict(json.loads((out / "results.json").read_text(encoding="utf-8")))
+    if ckpt is not None and ckpt.meta.get("config") != config:
+        raise ConfigError(
+            f"{out} holds a checkpoint of another config: resume with the config it was started with, or "
+            "give another --out"
+        )
     _write_json(out / "config.json", config)
     say(split.train.describe())
+    state: dict[str, Any] = (
+        dict(ckpt.meta) if ckpt is not None else {"config": config, "stages": [], "seconds": 0.0}
+    )
     e2e: list[dict[str, Any]] | None = None
     if run.reach_e2e_rounds is not None:
-        started = time.perf_counter()
-        e2e = train_e2e(run, split, run.reach_e2e_rounds, show_bar)
-        e2e_seconds = time.perf_counter() - started
+        if "e2e" in state:
+            e2e, e2e_seconds = state["e2e"], float(state["e2e_seconds"])
+            say(f"E2E FedAvg: {len(e2e)} rounds, from the checkpoint")
+        else:
+            started = time.perf_counter()
+            e2e = train_e2e(run, split, run.reach_e2e_rounds, show_bar)
+            e2e_seconds = time.perf_counter() - started
+            state.update(e2e=e2e, e2e_seconds=e2e_seconds)
+            save_checkpoint(out, Checkpoint(0, {}, state))
         target = e2e[-1]["test_accuracy"]
         say(f"E2E FedAvg: {len(e2e)} rounds, accuracy {target:.4f}: PPFL's target")
         run = replace(run, ppfl=replace(run.ppfl, target_accuracy=target))
+    restored = [
+        (StageReport.from_json(report), ckpt.arrays[f"released_{i}"])
+        for i, report in enumerate(state["stages"])
+        if ckpt is not None
+    ]
+    if restored:
+        say(f"resuming after stage {len(restored) - 1} (round {ckpt.round if ckpt else 0})")
     metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("")
+    metrics_path.write_text(
+        "".join(json.dumps(line, sort_keys=True) + "\n" for r, _ in restored for line in r.rounds)
+    )
+    released_so_far = {f"released_{i}": w for i, (_, w) in enumerate(restored)}
+    started_at = time.perf_counter()
+
+    def checkpoint(report: StageReport, released: np.ndarray) -> None:
+        """After each stage but the final one (whose kept tail cannot outlive the enclave)."""
+        if report.stage >= len(stages) - 1:
+            return
+        released_so_far[f"released_{report.stage}"] = released
+        state["stages"] = [*state["stages"], report.to_json()]
+        seconds = float(state["seconds"]) + time.perf_counter() - started_at
+        last_round = report.rounds[-1]["round"] if report.rounds else 0
+        save_checkpoint(out, Checkpoint(last_round, dict(released_so_far), {**state, "seconds": seconds}))
+
     bar = tqdm(total=None, unit="round", desc=run.name, disable=not show_bar)
 
     def record(line: dict[str, Any]) -> None:
@@ -235,10 +287,19 @@ def run_ppfl(
         )
 
     try:
-        trained = train_ppfl(run, split, progress=record, on_setup=memory)
+        trained = train_ppfl(
+            run,
+            split,
+            progress=record,
+            on_setup=memory,
+            resume=restored,
+            start_round=ckpt.round if ckpt is not None else 0,
+            on_stage=checkpoint,
+        )
     finally:
         bar.close()
-    server, final, seconds = trained.server, trained.final, trained.seconds
+    server, final = trained.server, trained.final
+    seconds = float(state["seconds"]) + trained.seconds
     lines = [line for r in server.reports for line in r.rounds]
     results: dict[str, Any] = {
         "name": run.name,
@@ -300,6 +361,7 @@ def run_ppfl(
         say(f"E2E FedAvg: {len(e2e)} rounds, final accuracy {results['e2e_accuracy']}")
     plot_series(series, out / "accuracy.png", title=f"PPFL {run.model}: test accuracy", ylabel="accuracy")
     _write_json(out / "results.json", results)
+    (out / CHECKPOINT).unlink(missing_ok=True)
     return results
 
 
@@ -339,10 +401,14 @@ def train_ppfl(
     tap: Callable[[str, bytes], None] | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
     on_setup: Callable[[PpflServer], None] | None = None,
+    resume: Sequence[tuple[StageReport, np.ndarray]] = (),
+    start_round: int = 0,
+    on_stage: Callable[[StageReport, np.ndarray], None] | None = None,
 ) -> TrainedPpfl:
     """Train PPFL on ``split``'s clients, with an evaluation device holding its test subset; ``tap`` sees
     every byte on the wire (an observer), ``progress`` every round's line, ``on_setup`` the server after
-    registration and attestation."""
+    registration and attestation, ``on_stage`` each stage's report and released values; ``resume`` and
+    ``start_round`` continue an interrupted run (:meth:`PpflServer.train`)."""
     shape = split.members.image_shape
     model = _model(run, split.members.num_classes, shape[0], shape[1])
     data = FederatedDataset([*split.data, UserData(EVALUATOR, {}, {"x": split.test.x, "y": split.test.y})])
@@ -374,7 +440,8 @@ def train_ppfl(
             await server.setup(runtime)
             if on_setup is not None:
                 on_setup(server)
-            await server.train(runtime, progress=progress)
+            server.round = start_round
+            await server.train(runtime, progress=progress, resume=resume, on_stage=on_stage)
             if cfg.keep_classifier_in_tee:
                 final.update(await server.evaluate_kept(runtime))
 

@@ -877,6 +877,36 @@ class StageReport:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     stopped: str = ""
 
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready (a checkpoint keeps the finished stages' reports)."""
+        return {
+            "stage": self.stage,
+            "units": list(self.units),
+            "memory": self.memory.as_dict(),
+            "eligible": self.eligible,
+            "rounds": self.rounds,
+            "stopped": self.stopped,
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> StageReport:
+        """The report :meth:`to_json` wrote; a :class:`ConfigError` names what is missing."""
+        try:
+            memory = {k: int(value["memory"][k]) for k in ("stage", "batch_size", "parameters", "gradients")}
+            memory.update(
+                optimizer=int(value["memory"]["optimizer"]), activations=int(value["memory"]["activations"])
+            )
+            return cls(
+                int(value["stage"]),
+                tuple(int(u) for u in value["units"]),
+                TeeMemory(**memory),
+                int(value["eligible"]),
+                list(value["rounds"]),
+                str(value["stopped"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"a checkpointed stage report is incomplete: {exc!r}") from exc
+
 
 class PpflServer:
     """Alg. 1 over a :class:`Communicator`, with the layer in training held in ``enclave``."""
@@ -966,18 +996,41 @@ class PpflServer:
         }
 
     async def train(
-        self, comm: Communicator, progress: Callable[[dict[str, Any]], None] | None = None
+        self,
+        comm: Communicator,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        *,
+        resume: Sequence[tuple[StageReport, np.ndarray]] = (),
+        on_stage: Callable[[StageReport, np.ndarray], None] | None = None,
     ) -> list[StageReport]:
-        """Alg. 1 over all stages; returns a report per stage (and calls ``progress`` per round)."""
+        """Alg. 1 over all stages; returns a report per stage (and calls ``progress`` per round and
+        ``on_stage`` with each stage's report and released values when it ends).
+
+        ``resume`` continues an interrupted run: the reports and released values of the stages it had
+        finished (in order, not the final one). They are released to every device again (they were
+        public: the REE held them in the clear), and training goes on with the next stage; set
+        :attr:`round` to the interrupted run's last round first, so that rounds keep advancing."""
+        if len(resume) >= len(self.stages):
+            raise ConfigError(f"{len(resume)} finished stages to resume, the plan has {len(self.stages)}")
         if self.public:
             await self._send_public(comm)
-        for stage, net, memory in zip(self.stages, self.nets, self.memory, strict=True):
+        for index, (report, released) in enumerate(resume):
+            if report.stage != index:
+                raise ConfigError(f"resumed stage reports are out of order: {report.stage} at {index}")
+            self.reports.append(report)
+            await self._release(comm, index, np.asarray(released, dtype=np.float32))
+        if resume and resume[-1][0].stopped == "target":
+            return self.reports
+        todo = zip(self.stages, self.nets, self.memory, strict=True)
+        for stage, net, memory in list(todo)[len(resume) :]:
             report = await self._train_stage(comm, stage, net, memory, progress)
             keep = kept_on_release(
                 stage, net, final=stage is self.stages[-1], keep_in_tee=self.cfg.keep_classifier_in_tee
             )
             released = self.enclave.layer_release(stage.index, keep=keep)
             await self._release(comm, stage.index, released)
+            if on_stage is not None:
+                on_stage(report, released)
             if report.stopped == "target":
                 break
         return self.reports
