@@ -515,9 +515,10 @@ class PpflClients:
     """The PPFL devices (a ``ClientPool``): each an REE holding its examples and the released layers,
     and a :class:`ClientTee` (Alg. 2).
 
-    ``model`` is the public architecture both sides know. ``tee_bytes`` gives each client's TEE size
-    (default :data:`HIKEY_TEE_BYTES`). ``evaluators`` are devices that hold an evaluation split and only
-    evaluate (a held-out device, so that per-round accuracy needs no plaintext at the server).
+    ``model`` is the public architecture both sides know; ``block_size``, ``train_last`` and
+    ``classifier_stage`` give the stages, as :class:`PpflConfig` does. ``tee_bytes`` gives each client's
+    TEE size (default :data:`HIKEY_TEE_BYTES`). ``evaluators`` are devices that hold an evaluation split
+    and only evaluate (a held-out device, so that per-round accuracy needs no plaintext at the server).
     ``batched``: train a round's cohort as one vectorised computation (:meth:`_fit_cohort`); ``None``
     (default) where the stage's network is small enough for that to be faster (the FedAvg engine's rule,
     :data:`~fedveil.protocols.fedavg.BATCH_BELOW_PARAMS`).
@@ -797,7 +798,10 @@ class PpflClients:
 @dataclass(frozen=True)
 class PpflConfig:
     """PPFL's knobs (module docstring); defaults are Sec. 6.2's: 10 local epochs, SGD at 0.01 decayed by
-    0.99 after each epoch, momentum 0.5, batch 16, all 16 MiB TEEs."""
+    0.99 after each epoch, momentum 0.5, batch 16, all 16 MiB TEEs, and a final stage for the classifier
+    (``classifier_stage``). ``block_size``: conv layers per stage (Sec. 6.5); ``train_last``: transfer of
+    public knowledge, one stage training the model's last units (Sec. 4.3; the server needs a public
+    model); ``keep_classifier_in_tee``: the final stage's values stay in the TEEs (Sec. 4.1)."""
 
     rounds_per_stage: int = 10
     clients_per_round: int | None = None
