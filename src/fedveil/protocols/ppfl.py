@@ -47,7 +47,6 @@ from __future__ import annotations
 import copy
 import math
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,8 +54,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from fedveil.core.attestation_verify import EnclaveClientSession
 from fedveil.core.communicator import ClientId, Communicator
@@ -64,6 +61,7 @@ from fedveil.data.federated import FederatedDataset
 from fedveil.enclave.layerwise import ParamSpec
 from fedveil.errors import ConfigError, FedveilError, ValidationError
 from fedveil.models.flat import FlatModel
+from fedveil.models.measure import LiveBytes
 from fedveil.models.vision import LayerwiseNet
 from fedveil.protocols.common import RoundReport, client_rng, expect
 from fedveil.protocols.fedavg import BATCH_BELOW_PARAMS, FedAvgEngine, FitResult, select_uniform
@@ -370,33 +368,6 @@ def tee_memory(
     return TeeMemory(stage, batch_size, p, 2 * p, p * (moments + 1), activations)
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of tensor storages allocated under it while they are alive; keeps the peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.current = 0
-        self.peak = 0
-        self._live: set[int] = set()
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._live.discard(key)
-        self.current -= nbytes
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and key not in self._live:
-                    self._live.add(key)
-                    self.current += nbytes
-                    self.peak = max(self.peak, self.current)
-                    weakref.finalize(storage, self._free, key, nbytes)
-        return out
-
-
 def measure_tee_memory(
     net: StageNet, input_shape: tuple[int, ...], batch_size: int, optimizer: LocalOptimizer, *, seed: int = 0
 ) -> int:
@@ -411,7 +382,7 @@ def measure_tee_memory(
         for _ in range(2)
     ]
     net.train()
-    meter = _LiveBytes()
+    meter = LiveBytes()
     with meter:
         local_train(
             lambda q, t, y: nn.functional.cross_entropy(flat(q, t), y),
