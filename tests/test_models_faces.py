@@ -11,7 +11,7 @@ import torch
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.models.faces import ArcFace, MobileFaceNet
+from fedveil.models.faces import ArcFace, MobileFaceNet, ResNet34Embedding
 
 
 def test_mobilefacenet_has_the_papers_parameter_count_and_a_512_d_embedding() -> None:
@@ -57,3 +57,14 @@ def test_aiot_efficiency_reports_table_3(capsys) -> None:
     assert row["flops"] == 2 * row["macs"]
     assert 4.5e6 < row["disk_bytes"] < 5.5e6  # float32 weights and BatchNorm statistics
     assert row["train_memory_bytes"] > 4 * row["parameters"]
+
+
+def test_resnet34_embedding_has_torchvisions_backbone() -> None:
+    """CameraAuth's network: ResNet-34's backbone (torchvision: 21,797,672 parameters with its 1000-way
+    classifier of 513,000) and a 512 -> 64 linear embedding."""
+    net = ResNet34Embedding()
+    assert sum(p.numel() for p in net.backbone.parameters()) == 21_797_672 - 513_000
+    assert sum(p.numel() for p in net.embedding.parameters()) == 512 * 64 + 64
+    assert net(torch.zeros(2, 3, 64, 64)).shape == (2, 64)
+    with pytest.raises(ConfigError, match="sides >= 32"):
+        net(torch.zeros(1, 3, 16, 16))

@@ -32,6 +32,11 @@ label, ``s * cos(theta_y + m)`` for the label, with ``cos(theta_j)`` between the
 and class weight; where ``theta_y + m`` would pass pi, insightface's fallback
 ``cos(theta_y) - m * sin(m)`` keeps the logit monotone. Scale 64 and margin 0.5, the AIoT paper's
 setting, by default.
+
+:class:`ResNet34Embedding` is He et al. (2016)'s ResNet-34 (basic blocks ``[3, 4, 6, 3]`` of 64, 128, 256,
+512 channels after a 7 x 7 stride-2 convolution and a max pooling, then global average pooling) whose
+classifier is replaced by a linear map to a 64-d embedding: FDML's CameraAuth network
+(000_5f3e2740eb021610.txt, Sec. VII-B). Its backbone has torchvision's 21,284,672 parameters.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from torch import nn
 
 from fedveil.errors import ConfigError
 
-__all__ = ["ArcFace", "MobileFaceNet"]
+__all__ = ["ArcFace", "MobileFaceNet", "ResNet34Embedding"]
 
 BOTTLENECKS: tuple[tuple[int, int, int, int], ...] = (
     (2, 64, 5, 2),
@@ -170,3 +175,54 @@ class ArcFace(nn.Module):
         shifted = target * self._cos_m - sin * self._sin_m
         shifted = torch.where(target > self._threshold, shifted, target - self._fallback)
         return self.scale * cos.scatter(1, labels.view(-1, 1), shifted)
+
+
+class BasicBlock(nn.Module):
+    """ResNet's two 3 x 3 convolutions with a shortcut (a 1 x 1 projection when the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(body(x) + shortcut(x))``."""
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class ResNet34Embedding(nn.Module):
+    """ResNet-34 with an ``embedding_dim``-d linear output (module docstring); any input side >= 32."""
+
+    def __init__(self, embedding_dim: int = 64, *, in_channels: int = 3) -> None:
+        super().__init__()
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ConfigError(f"embedding_dim {embedding_dim!r} must be an integer >= 1")
+        layers: list[nn.Module] = [
+            nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1),
+        ]
+        cin = 64
+        for cout, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for i in range(blocks):
+                layers.append(BasicBlock(cin, cout, stride if i == 0 else 1))
+                cin = cout
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        self.backbone = nn.Sequential(*layers)
+        self.embedding = nn.Linear(512, embedding_dim)
+        self.embedding_dim = embedding_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W)`` -> embeddings ``(B, embedding_dim)``."""
+        if x.ndim != 4 or min(x.shape[2:]) < 32:
+            raise ConfigError(f"ResNet-34 expects (B, C, H, W) images with sides >= 32, got {tuple(x.shape)}")
+        return self.embedding(self.backbone(x))
