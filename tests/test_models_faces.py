@@ -68,3 +68,12 @@ def test_resnet34_embedding_has_torchvisions_backbone() -> None:
     assert net(torch.zeros(2, 3, 64, 64)).shape == (2, 64)
     with pytest.raises(ConfigError, match="sides >= 32"):
         net(torch.zeros(1, 3, 16, 16))
+
+
+def test_bench_mobilefacenet_reports_images_per_second(capsys) -> None:
+    argv = ["bench", "mobilefacenet", "--image-size", "32", "--width", "0.25", "--batch-size", "4"]
+    assert main([*argv, "--threads", "1", "--repeats", "1", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert [(r["threads"], r["batchnorm"]) for r in row["rows"]] == [(1, "training"), (1, "frozen")]
+    assert all(r["images_per_second"] > 0 for r in row["rows"])
+    assert main([*argv, "--batch-size", "1"]) == 2

@@ -29,6 +29,7 @@ def register(subparsers: Any) -> None:
     _add_network(benches)
     _add_fedavg(benches)
     _add_ppfl(benches)
+    _add_mobilefacenet(benches)
     _add_dlg(benches)
     parser.set_defaults(func=run)
 
@@ -339,6 +340,41 @@ def _run_ppfl(args: argparse.Namespace) -> int:
             f"{s['batched_updates_per_second']:.2f} updates/s, one by one "
             f"{s['one_by_one_updates_per_second']:.2f} (x{s['speedup']:.2f}); sealing "
             f"{100 * s['sealing_share']:.1f}% of a round"
+        )
+    return 0
+
+
+def _add_mobilefacenet(sub: Any) -> None:
+    p = sub.add_parser(
+        "mobilefacenet", help="MobileFaceNet forward + backward images/s (ArcFace loss), 1 and 2 threads"
+    )
+    p.add_argument("--image-size", type=int, default=112, help="input side (default 112)")
+    p.add_argument("--width", type=float, default=1.0, help="channel width multiplier (default 1)")
+    p.add_argument("--batch-size", type=int, default=32, help="batch (default 32)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads (default 1 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported (default 5)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(bench_func=_run_mobilefacenet)
+
+
+def _run_mobilefacenet(args: argparse.Namespace) -> int:
+    from fedveil.experiments.bench_faces import bench_mobilefacenet
+
+    _require_positive(args, "batch_size", "repeats")
+    row = bench_mobilefacenet(
+        image_size=args.image_size,
+        width=args.width,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        repeats=args.repeats,
+    )
+    if args.json:
+        print(json.dumps(row, indent=2))
+        return 0
+    for r in row["rows"]:
+        print(
+            f"MobileFaceNet {row['image_size']}x{row['image_size']}, batch {row['batch_size']}, "
+            f"{r['threads']} thread(s), BatchNorm {r['batchnorm']}: {r['images_per_second']:.1f} images/s"
         )
     return 0
 
