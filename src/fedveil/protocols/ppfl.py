@@ -1109,30 +1109,42 @@ class PpflServer:
         first = self.stages[0].units[0]
         if first == 0:
             return
-        everyone = [*self.members, *self.evaluators]
         message = PublicLayers(first, np.concatenate(self.public[:first]).astype(np.float32))
-        await comm.request(
-            {c: message for c in everyone},
-            phase="public",
-            min_replies=len(everyone),
-            timeout=self.cfg.timeout,
-            expected=PublicLayersSet,
-            validate=lambda cid, msg: expect(msg.units == first, f"froze {msg.units} units, sent {first}"),
+        await self._to_everyone(
+            comm,
+            message,
+            "public",
+            PublicLayersSet,
+            lambda cid, msg: expect(msg.units == first, f"froze {msg.units} units, sent {first}"),
         )
 
     async def _release(self, comm: Communicator, stage: int, weights: np.ndarray) -> None:
         """Broadcast the released layer(s) to every device's REE, which freezes them."""
+        await self._to_everyone(
+            comm,
+            LayerRelease(stage, weights),
+            "release",
+            LayerReleased,
+            lambda cid, msg: expect(msg.stage == stage, f"froze stage {msg.stage}, expected {stage}"),
+        )
+
+    async def _to_everyone(
+        self,
+        comm: Communicator,
+        message: object,
+        phase: str,
+        expected: type,
+        validate: Callable[[ClientId, Any], None],
+    ) -> None:
+        """Send one message in the clear to every device (trainers and evaluators); all must answer."""
         everyone = [*self.members, *self.evaluators]
-        message = LayerRelease(stage, weights)
         await comm.request(
-            {c: message for c in everyone},
-            phase="release",
+            dict.fromkeys(everyone, message),
+            phase=phase,
             min_replies=len(everyone),
             timeout=self.cfg.timeout,
-            expected=LayerReleased,
-            validate=lambda cid, msg: expect(
-                msg.stage == stage, f"froze stage {msg.stage}, expected {stage}"
-            ),
+            expected=expected,
+            validate=validate,
         )
 
     async def evaluate_kept(self, comm: Communicator) -> dict[str, float]:
