@@ -220,13 +220,36 @@ def load_cifar10_binary(root: str | Path, split: str) -> ImageData:
     )
 
 
+def decode_image(
+    source: str | Path | bytes,
+    *,
+    size: tuple[int, int] | None = None,
+    grayscale: bool = False,
+    where: str = "",
+) -> np.ndarray:
+    """One PNG / JPEG file or its bytes as ``uint8 (C, H, W)`` (RGB, or one channel with ``grayscale``),
+    resized to ``size`` ``(H, W)`` when given; an unreadable image is a :class:`ValidationError` naming
+    ``where``."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+            img = img.convert("L" if grayscale else "RGB")
+            if size is not None:
+                img = img.resize((size[1], size[0]))
+            arr = np.asarray(img, dtype=np.uint8)
+    except OSError as exc:
+        raise ValidationError(f"{where or 'image'} is not a readable image: {exc}") from None
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+
+
 def load_image_folder(
     root: str | Path, *, size: tuple[int, int] | None = None, grayscale: bool = False
 ) -> ImageData:
     """``root/<class>/<file>.png|jpg|jpeg`` as :class:`ImageData`; ``size`` ``(H, W)`` resizes every image,
     otherwise all must share one size."""
-    from PIL import Image
-
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"image folder {root} does not exist")
@@ -239,15 +262,7 @@ def load_image_folder(
         if not files:
             raise ValidationError(f"class folder {root / cls} has no .png/.jpg/.jpeg images")
         for f in files:
-            try:
-                with Image.open(f) as img:
-                    img = img.convert("L" if grayscale else "RGB")
-                    if size is not None:
-                        img = img.resize((size[1], size[0]))
-                    arr = np.asarray(img, dtype=np.uint8)
-            except OSError as exc:
-                raise ValidationError(f"{f} is not a readable image: {exc}") from None
-            arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+            arr = decode_image(f, size=size, grayscale=grayscale, where=str(f))
             if shape is None:
                 shape = arr.shape
             elif arr.shape != shape:
