@@ -39,6 +39,7 @@ __all__ = [
     "load_face_folder",
     "load_recordio_faces",
     "read_pairs",
+    "synthetic_faces",
     "write_recordio",
 ]
 
@@ -330,3 +331,188 @@ def read_pairs(path: str | Path, *, known: Iterable[str] | None = None) -> list[
             f"{source}: header {lines[0]!r} announces {expected} pairs, the file has {len(pairs)}"
         )
     return pairs
+
+
+# --- the synthetic face population (a labelled stand-in for the papers' private photos) ------------------
+
+DOMAINS = ("public", "private")
+
+
+@dataclass(frozen=True)
+class _Domain:
+    """The distributions a population draws identities from (the domain shift lives here)."""
+
+    skin: tuple[tuple[float, float, float], tuple[float, float, float]]  # mean RGB, spread per channel
+    hair: tuple[tuple[float, float, float], float]  # mean RGB, spread
+    eye_height: tuple[float, float]  # (mean, spread) of the eyes' half-height
+    face_width: tuple[float, float]
+    nose_length: tuple[float, float]
+
+
+_DOMAINS = {
+    # lighter, more varied skin and hair, rounder eyes, narrower faces (a stand-in for MS-Celeb-1M's mix)
+    "public": _Domain(
+        ((0.85, 0.68, 0.58), (0.10, 0.10, 0.10)),
+        ((0.45, 0.33, 0.22), 0.25),
+        (0.055, 0.012),
+        (0.58, 0.04),
+        (0.20, 0.04),
+    ),
+    # other skin and hair, narrower eyes, wider faces, shorter noses (the paper's in-domain set)
+    "private": _Domain(
+        ((0.88, 0.74, 0.60), (0.05, 0.05, 0.05)),
+        ((0.10, 0.08, 0.07), 0.05),
+        (0.032, 0.008),
+        (0.64, 0.03),
+        (0.15, 0.03),
+    ),
+}
+
+
+def _identity_params(rng: np.random.Generator, domain: _Domain) -> dict[str, np.ndarray | float]:
+    """One identity's persistent appearance (module docstring of :func:`synthetic_faces`)."""
+    skin_mean, skin_spread = domain.skin
+    hair_mean, hair_spread = domain.hair
+    return {
+        "skin": np.clip(rng.normal(skin_mean, skin_spread), 0.2, 1.0),
+        "hair": np.clip(rng.normal(hair_mean, hair_spread), 0.02, 1.0),
+        "face_w": rng.normal(*domain.face_width),
+        "face_h": rng.normal(0.78, 0.04),
+        "jaw": rng.uniform(0.0, 0.25),
+        "hairline": rng.uniform(-0.62, -0.38),
+        "fringe": rng.uniform(0.0, 1.0),
+        "eye_y": rng.normal(-0.12, 0.04),
+        "eye_dx": rng.normal(0.24, 0.03),
+        "eye_w": rng.normal(0.085, 0.012),
+        "eye_h": rng.normal(*domain.eye_height),
+        "iris": np.clip(rng.normal((0.25, 0.18, 0.12), 0.1), 0.0, 1.0),
+        "brow_y": rng.normal(-0.25, 0.03),
+        "brow_t": rng.uniform(0.012, 0.035),
+        "brow_tilt": rng.normal(0.0, 0.15),
+        "nose_len": rng.normal(*domain.nose_length),
+        "nose_w": rng.normal(0.06, 0.015),
+        "mouth_y": rng.normal(0.36, 0.04),
+        "mouth_w": rng.normal(0.17, 0.03),
+        "mouth_h": rng.normal(0.035, 0.01),
+        "lips": np.clip(rng.normal((0.7, 0.3, 0.3), 0.08), 0.0, 1.0),
+    }
+
+
+def _blur(img: np.ndarray, sigma: float) -> np.ndarray:
+    """Separable Gaussian blur of ``(3, S, S)``."""
+    if sigma <= 0.05:
+        return img
+    radius = max(1, int(3 * sigma))
+    k = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
+    k /= k.sum()
+    pad = np.pad(img, ((0, 0), (radius, radius), (radius, radius)), mode="edge")
+    rows = sum(w * pad[:, i : i + img.shape[1], :] for i, w in enumerate(k))
+    return sum(w * rows[:, :, i : i + img.shape[2]] for i, w in enumerate(k))
+
+
+def _render(p: dict[str, np.ndarray | float], size: int, rng: np.random.Generator, wild: bool) -> np.ndarray:
+    """One photo of identity ``p``: frontal and evenly lit when not ``wild``; otherwise a random pose
+    (roll, yaw as horizontal compression and shift, scale), illumination gradient and colour cast, blur,
+    sensor noise, and now and then a mask over the lower face."""
+    lin = (np.arange(size) + 0.5) / size * 2 - 1
+    y, x = np.meshgrid(lin, lin, indexing="ij")
+    if wild:
+        roll, scale = rng.normal(0, 0.12), rng.uniform(0.88, 1.12)
+        yaw, shift = rng.uniform(-0.35, 0.35), rng.normal(0, 0.05, 2)
+    else:
+        roll, scale, yaw, shift = 0.0, 1.0, 0.0, np.zeros(2)
+    c, s = np.cos(roll), np.sin(roll)
+    u = (c * (x - shift[0]) + s * (y - shift[1])) / scale
+    v = (-s * (x - shift[0]) + c * (y - shift[1])) / scale
+    u = u / (1 - 0.3 * abs(yaw)) - 0.25 * yaw  # a turned head: features compress and move sideways
+    f = {k: float(np.asarray(val).mean()) if np.ndim(val) == 0 else val for k, val in p.items()}
+    background = rng.uniform(0.2, 0.9, 3) if wild else np.full(3, 0.85)
+    img = np.empty((3, size, size))
+    img[:] = background[:, None, None]
+
+    def paint(mask: np.ndarray, colour: np.ndarray) -> None:
+        img[:] = np.where(mask[None], np.asarray(colour)[:, None, None], img)
+
+    face_w = float(f["face_w"]) * (1 - float(f["jaw"]) * np.clip(v, 0, None))
+    face = (u / face_w) ** 2 + (v / float(f["face_h"])) ** 2 <= 1
+    head = (u / (float(f["face_w"]) * 1.12)) ** 2 + ((v + 0.08) / (float(f["face_h"]) * 1.05)) ** 2 <= 1
+    paint(head & (v < 0.1), p["hair"])
+    paint(face, p["skin"])
+    fringe = face & (v < float(f["hairline"]) + 0.12 * float(f["fringe"]) * np.cos(3 * u))
+    paint(fringe, p["hair"])
+    for side in (-1, 1):
+        ex = side * float(f["eye_dx"])
+        eye = ((u - ex) / float(f["eye_w"])) ** 2 + ((v - float(f["eye_y"])) / float(f["eye_h"])) ** 2 <= 1
+        paint(eye, np.array([0.95, 0.95, 0.95]))
+        iris = ((u - ex) ** 2 + (v - float(f["eye_y"])) ** 2) <= (0.8 * float(f["eye_h"])) ** 2
+        paint(eye & iris, p["iris"])
+        brow_v = float(f["brow_y"]) + side * float(f["brow_tilt"]) * (u - ex)
+        brow = (abs(u - ex) <= 1.2 * float(f["eye_w"])) & (abs(v - brow_v) <= float(f["brow_t"]))
+        paint(brow, p["hair"] * 0.8)
+    nose = (abs(u) <= float(f["nose_w"]) * (v - float(f["eye_y"])) / float(f["nose_len"])) & (
+        v > float(f["eye_y"])
+    )
+    nose &= v <= float(f["eye_y"]) + float(f["nose_len"])
+    paint(nose, p["skin"] * 0.82)
+    mouth = (u / float(f["mouth_w"])) ** 2 + ((v - float(f["mouth_y"])) / float(f["mouth_h"])) ** 2 <= 1
+    paint(mouth, p["lips"])
+    if wild and rng.uniform() < 0.25:  # a mask over the lower face
+        mask = face & (v > float(f["eye_y"]) + 0.5 * float(f["nose_len"]))
+        paint(
+            mask,
+            rng.choice(
+                [np.array([0.75, 0.85, 0.95]), np.array([0.95, 0.95, 0.95]), np.array([0.2, 0.2, 0.25])]
+            ),
+        )
+    if wild:
+        direction = rng.normal(0, 1, 2)
+        light = 1 + rng.uniform(0, 0.45) * (direction[0] * x + direction[1] * y) / np.linalg.norm(direction)
+        img = img * light[None] * rng.uniform(0.6, 1.2) * rng.uniform(0.9, 1.1, 3)[:, None, None]
+        img = _blur(img, rng.uniform(0, 1.5) * size / 112)
+        img = img + rng.normal(0, rng.uniform(0, 0.04), img.shape)
+    return np.clip(img, 0, 1).astype(np.float32)
+
+
+def synthetic_faces(
+    identities: int,
+    wild_per_identity: int,
+    *,
+    domain: str = "private",
+    size: int = 112,
+    seed: int = 0,
+    first_identity: int = 0,
+) -> tuple[FaceImages, np.ndarray]:
+    """A seeded **synthetic** face population (a labelled stand-in for the papers' private photos).
+
+    Each identity has a persistent appearance drawn from its ``domain``'s distributions (face width and
+    jaw, skin tone, hair colour, hairline and fringe, eye position, size and colour, eyebrows, nose,
+    mouth), rendered with numpy at ``size`` x ``size`` x 3: one **reference** photo under standard
+    conditions (frontal, even light, plain background) and ``wild_per_identity`` photos "in the wild"
+    (pose, illumination, colour cast, blur, noise, and a mask over the lower face in a quarter of them).
+    The ``"public"`` and ``"private"`` domains differ in skin and hair colour, eye height, face width and
+    nose length: the domain shift between a server's public pre-training data and the devices' photos.
+    Identity ``first_identity + i`` is drawn from its own seeded generator, so populations are disjoint
+    when their identity ranges are. Returns the photos (names ``"<domain>-<k>"``) and a boolean
+    ``reference`` mask, reference photo first for each identity."""
+    if domain not in _DOMAINS:
+        raise ConfigError(f"face domain {domain!r} is not one of {', '.join(DOMAINS)}")
+    if identities < 1 or wild_per_identity < 0 or size < 16:
+        raise ConfigError(
+            f"need identities >= 1 ({identities}), wild photos >= 0 ({wild_per_identity}), "
+            f"size >= 16 ({size})"
+        )
+    pixels, identity, reference, names = [], [], [], []
+    for i in range(identities):
+        k = first_identity + i
+        rng = np.random.default_rng([seed, DOMAINS.index(domain), k])
+        params = _identity_params(rng, _DOMAINS[domain])
+        names.append(f"{domain}-{k}")
+        for j in range(wild_per_identity + 1):
+            pixels.append(_render(params, size, rng, wild=j > 0))
+            identity.append(i)
+            reference.append(j == 0)
+    source = f"SYNTHETIC face population ({domain} domain, {identities} identities, seed {seed})"
+    faces = FaceImages(
+        np.stack(pixels), np.asarray(identity, dtype=np.int64), tuple(names), source, synthetic=True
+    )
+    return faces, np.asarray(reference, dtype=bool)
