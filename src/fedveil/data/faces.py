@@ -39,6 +39,7 @@ __all__ = [
     "load_face_folder",
     "load_recordio_faces",
     "read_pairs",
+    "sample_grid",
     "synthetic_faces",
     "write_recordio",
 ]
@@ -516,3 +517,32 @@ def synthetic_faces(
         np.stack(pixels), np.asarray(identity, dtype=np.int64), tuple(names), source, synthetic=True
     )
     return faces, np.asarray(reference, dtype=bool)
+
+
+def sample_grid(
+    path: str | Path, *, identities: int = 4, wild: int = 5, size: int = 112, seed: int = 0
+) -> Path:
+    """A PNG of the synthetic population: per domain, ``identities`` rows of the reference photo then
+    ``wild`` photos in the wild."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1.2 * (wild + 1), 1.25 * 2 * identities), dpi=100)
+    FigureCanvasAgg(fig)
+    for d, domain in enumerate(DOMAINS):
+        faces, _ = synthetic_faces(identities, wild, domain=domain, size=size, seed=seed)
+        for i in range(identities * (wild + 1)):
+            ax = fig.add_subplot(2 * identities, wild + 1, d * identities * (wild + 1) + i + 1)
+            ax.imshow(faces.x[i].transpose(1, 2, 0))
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i % (wild + 1) == 0:
+                ax.set_ylabel(f"{domain}\n{faces.names[i // (wild + 1)]}", fontsize=7)
+            if d == 0 and i < wild + 1:
+                ax.set_title("reference" if i == 0 else "wild", fontsize=8)
+    fig.suptitle("SYNTHETIC faces: reference photo, then photos in the wild", fontsize=9)
+    fig.tight_layout()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target)
+    return target
