@@ -339,44 +339,54 @@ def read_pairs(path: str | Path, *, known: Iterable[str] | None = None) -> list[
 DOMAINS = ("public", "private")
 
 
+_SKIN_LIGHT = np.array([0.96, 0.84, 0.74])
+_SKIN_DARK = np.array([0.36, 0.24, 0.17])
+_HAIR = np.array(
+    [
+        [0.06, 0.05, 0.05],  # black
+        [0.30, 0.19, 0.10],  # brown
+        [0.78, 0.64, 0.38],  # blond
+        [0.55, 0.22, 0.10],  # red
+        [0.62, 0.62, 0.62],  # grey
+    ]
+)
+
+
 @dataclass(frozen=True)
 class _Domain:
-    """The distributions a population draws identities from (the domain shift lives here)."""
+    """The distributions a population draws identities from (the domain shift lives here): skin tone on
+    the line from light to dark skin (mean, spread), the hair colour palette's probabilities, and the
+    (mean, spread) of the eyes' half-height, face width and nose length."""
 
-    skin: tuple[tuple[float, float, float], tuple[float, float, float]]  # mean RGB, spread per channel
-    hair: tuple[tuple[float, float, float], float]  # mean RGB, spread
-    eye_height: tuple[float, float]  # (mean, spread) of the eyes' half-height
+    tone: tuple[float, float]
+    hair: tuple[float, float, float, float, float]
+    eye_height: tuple[float, float]
     face_width: tuple[float, float]
     nose_length: tuple[float, float]
 
 
 _DOMAINS = {
-    # lighter, more varied skin and hair, rounder eyes, narrower faces (a stand-in for MS-Celeb-1M's mix)
+    # varied skin tones and hair colours, rounder eyes, narrower faces (a stand-in for MS-Celeb-1M's mix)
     "public": _Domain(
-        ((0.85, 0.68, 0.58), (0.10, 0.10, 0.10)),
-        ((0.45, 0.33, 0.22), 0.25),
-        (0.055, 0.012),
-        (0.58, 0.04),
-        (0.20, 0.04),
+        (0.35, 0.25), (0.3, 0.35, 0.15, 0.08, 0.12), (0.055, 0.012), (0.58, 0.04), (0.20, 0.04)
     ),
-    # other skin and hair, narrower eyes, wider faces, shorter noses (the paper's in-domain set)
+    # narrower skin-tone range, mostly black hair, narrower eyes, wider faces, shorter noses (in-domain set)
     "private": _Domain(
-        ((0.88, 0.74, 0.60), (0.05, 0.05, 0.05)),
-        ((0.10, 0.08, 0.07), 0.05),
-        (0.032, 0.008),
-        (0.64, 0.03),
-        (0.15, 0.03),
+        (0.25, 0.08), (0.85, 0.12, 0.0, 0.0, 0.03), (0.032, 0.008), (0.64, 0.03), (0.15, 0.03)
     ),
 }
 
 
 def _identity_params(rng: np.random.Generator, domain: _Domain) -> dict[str, np.ndarray | float]:
     """One identity's persistent appearance (module docstring of :func:`synthetic_faces`)."""
-    skin_mean, skin_spread = domain.skin
-    hair_mean, hair_spread = domain.hair
+    tone = float(np.clip(rng.normal(*domain.tone), 0.0, 1.0))
+    skin = (1 - tone) * _SKIN_LIGHT + tone * _SKIN_DARK + rng.normal(0, 0.02, 3)
+    hair = _HAIR[rng.choice(len(_HAIR), p=np.asarray(domain.hair) / sum(domain.hair))] + rng.normal(
+        0, 0.04, 3
+    )
     return {
-        "skin": np.clip(rng.normal(skin_mean, skin_spread), 0.2, 1.0),
-        "hair": np.clip(rng.normal(hair_mean, hair_spread), 0.02, 1.0),
+        "skin": np.clip(skin, 0.05, 1.0),
+        "hair": np.clip(hair, 0.02, 1.0),
         "face_w": rng.normal(*domain.face_width),
         "face_h": rng.normal(0.78, 0.04),
         "jaw": rng.uniform(0.0, 0.25),

@@ -6,15 +6,16 @@ evaluated on held-out identities of the **private** domain (and of the public on
 fine-tuned centrally on the private domain's training identities with a fresh ArcFace head and evaluated
 again. Centrally BatchNorm's statistics adapt to the new domain (freezing them, as AIoT Sec. 4.1 does
 for federated fine-tuning on small non-IID device batches, left the private TAR at FAR 1e-3 at 0.065
-against 0.28 in a trial with the same data). The gap between the two private-domain figures is
-the room federated fine-tuning has to close (the paper: 64.3% -> 73.6% TAR at FAR 1e-3).
+against 0.28 in a trial with an earlier colour model of the population). The gap between the two
+private-domain figures is the room federated fine-tuning has to close (the paper: 64.3% -> 73.6% TAR at
+FAR 1e-3).
 
 Verification (AIoT Sec. 5.3): each held-out identity's reference photo against every wild photo, cosine
 similarity of the L2-normalised embeddings; genuine pairs are the identity's own wild photos, impostor
 pairs every other identity's; TAR at FAR 1e-3 and 1e-4 by :func:`~fedveil.eval.verification.tpr_at_fpr`
 (with ``identities x (identities - 1) x wild`` impostor pairs: 39,600 for 100 identities x 4 wild photos,
-enough to resolve 1e-4). ArcFace models generalise to unseen identities only when trained on many: with
-150 public identities the held-out TAR stayed below 0.1, with 800 it passes 0.5.
+enough to resolve 1e-4). ArcFace models generalise to unseen identities only when trained on many: in
+a trial with an earlier colour model, 150 public identities left the held-out TAR below 0.1, 800 above 0.5.
 """
 
 from __future__ import annotations
