@@ -183,3 +183,25 @@ POLICIES = st.recursive(
 def test_derivatives_agree_with_the_span_matcher(p: Policy, word: list[Call]) -> None:
     assert allows(p, word) == (len(word) in _ends(p, tuple(word), 0))
     assert parse(show(p)) == p
+
+
+def test_emptiness() -> None:
+    from fedveil.privacy.policy import is_empty
+
+    assert is_empty(parse("a & b")) and is_empty(parse("a & !a")) and is_empty(ZERO)
+    assert not is_empty(parse("a* & !1")) and not is_empty(parse("!a")) and not is_empty(ONE)
+    assert is_empty(parse("(a . b)* . a & (a . b)*"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(POLICIES)
+def test_an_empty_policy_accepts_no_short_word(p: Policy) -> None:
+    """Soundness of is_empty against the span matcher on every word of up to 3 calls."""
+    from itertools import product
+
+    from fedveil.privacy.policy import is_empty
+
+    if is_empty(p):
+        for n in range(4):
+            for word in product(CALLS, repeat=n):
+                assert n not in _ends(p, word, 0)

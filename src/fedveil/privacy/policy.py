@@ -53,6 +53,7 @@ __all__ = [
     "command",
     "derivative",
     "inter",
+    "is_empty",
     "matches",
     "neg",
     "nullable",
@@ -244,6 +245,36 @@ def advance(p: Policy, calls: Iterable[Call]) -> Policy:
 def allows(p: Policy, calls: Sequence[Call]) -> bool:
     """Whether the whole sequence ``calls`` is a word of ``p``."""
     return nullable(advance(p, calls))
+
+
+def _commands(p: Policy) -> set[Call]:
+    if p.kind == "cmd":
+        assert p.cmd is not None
+        return {p.cmd}
+    return set().union(*(_commands(q) for q in p.parts)) if p.parts else set()
+
+
+def is_empty(p: Policy, *, limit: int = 10_000) -> bool:
+    """Whether ``p`` allows no sequence at all (``a & b``, ``a & !a``, ... are empty without being
+    ``0``): a breadth-first search over its derivatives by representative calls (each command ``p``
+    names, called with exactly the arguments the policy gives, and one call of a name it does not
+    mention); empty when no derivative reached is nullable. Canonical forms keep the derivatives finite;
+    ``limit`` bounds the search (beyond it the policy is reported non-empty, the safe answer for a
+    check that refuses empty combinations)."""
+    alphabet = [*_commands(p), Call("__unnamed_command__")]
+    seen, todo = {p}, [p]
+    while todo:
+        q = todo.pop()
+        if nullable(q):
+            return False
+        for call in alphabet:
+            nxt = derivative(q, call)
+            if nxt not in seen and nxt != ZERO:
+                if len(seen) >= limit:
+                    return False
+                seen.add(nxt)
+                todo.append(nxt)
+    return True
 
 
 def size(p: Policy) -> int:
