@@ -205,3 +205,22 @@ def test_an_empty_policy_accepts_no_short_word(p: Policy) -> None:
         for n in range(4):
             for word in product(CALLS, repeat=n):
                 assert n not in _ends(p, word, 0)
+
+
+def test_cli_policy_check(capsys: pytest.CaptureFixture[str]) -> None:
+    from fedveil.cli import main
+
+    fl = "get_data . filter(sensors=['mic','loc']) . runFL . return"
+    assert main(["policy", "check", fl, "get_data", "filter(sensors=['loc','mic'])", "runFL", "return"]) == 0
+    assert "complete: the sequence may end here" in capsys.readouterr().out
+    assert main(["policy", "check", fl, "get_data", "runFL", "--json"]) == 1
+    import json
+
+    report = json.loads(capsys.readouterr().out)
+    assert report["steps"][-1] == {
+        "command": "runFL",
+        "allowed": False,
+        "would_accept": ["filter(sensors=['loc', 'mic'])"],
+    }
+    assert main(["policy", "check", "get_data . (", "x"]) == 2
+    assert main(["policy", "check", fl, "a . b"]) == 2
