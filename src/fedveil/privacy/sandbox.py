@@ -1,0 +1,220 @@
+"""Sandboxed third-party programs (PoliFL Sec. 4: Policile runs a job's global and local programs).
+
+A program is Python source compiled with RestrictedPython (:func:`compile_program`) and run
+(:func:`run_program`) with nothing in scope but the trusted library functions it is given, the pairs it
+is handed (:class:`~fedveil.privacy.pairs.DataPolicyPair`) and a small builtin set (:data:`BUILTINS`:
+numbers, strings, containers, ``range``, ``len``, ``min``, ``max``, ``sum``, ``sorted``, ``enumerate``,
+``zip``, ``abs``, ``round``, ``isinstance`` and the common exceptions).
+
+**What the sandbox stops.** At compile time RestrictedPython refuses ``import``, any name or attribute
+that starts with ``_`` (``__class__``, ``__subclasses__``, ``__globals__``, ``__builtins__``,
+``__traceback__``, a pair's private slot), ``exec`` / ``eval`` statements and names it reserves. At run
+time every attribute read goes through :func:`_guarded_getattr`, which also refuses the introspection
+attributes that do not start with ``_`` (a generator's ``gi_frame``, a frame's ``f_globals`` /
+``f_back``, a traceback's ``tb_frame``, a function's ``func_globals``, code objects' ``co_*``) and
+``str.format`` / ``format_map`` (whose ``{0.__class__}`` fields walk attributes unguarded; RestrictedPython
+already refuses most of these names at compile time, the guard is the second line), and every
+write goes through RestrictedPython's write guard (no attribute writes on objects the program did not
+create). ``getattr``, ``setattr``, ``exec``, ``eval``, ``compile``, ``open``, ``__import__``, ``type``,
+``vars``, ``dir`` and ``globals`` are simply not there. A pair's value has no public attribute. The
+program runs in a **forked child process** under ``RLIMIT_AS`` (memory) and ``RLIMIT_CPU`` plus a wall-clock
+limit, so a huge allocation or an endless loop ends that child, not the service; its result comes back
+as JSON-safe data (numbers, strings, lists, dicts, and pairs as their policy text and a numpy array or
+JSON value), never pickle.
+
+**What it cannot stop.** Timing and resource side channels (how long a trusted call takes, how much
+memory it uses), covert channels through the result's shape or through which commands it calls, and
+bugs in the trusted library or in RestrictedPython itself: the library functions are the trusted base.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import multiprocessing
+import os
+import resource
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from RestrictedPython import compile_restricted_exec
+from RestrictedPython.Eval import default_guarded_getitem
+from RestrictedPython.Guards import full_write_guard, guarded_iter_unpack_sequence, guarded_unpack_sequence
+
+from fedveil.errors import FedveilError
+from fedveil.privacy.pairs import DataPolicyPair
+from fedveil.privacy.policy import Policy, parse, show
+
+__all__ = ["BUILTINS", "Program", "SandboxError", "compile_program", "run_program"]
+
+
+class SandboxError(FedveilError):
+    """A program the sandbox refused to compile or stopped while it ran."""
+
+
+_SAFE_NAMES = (
+    "abs", "all", "any", "bool", "dict", "divmod", "enumerate", "float", "frozenset", "int", "isinstance",
+    "len", "list", "max", "min", "pow", "range", "repr", "reversed", "round", "set", "sorted", "str", "sum",
+    "tuple", "zip",
+    "ArithmeticError", "AssertionError", "Exception", "IndexError", "KeyError", "LookupError",
+    "RuntimeError", "StopIteration", "TypeError", "ValueError", "ZeroDivisionError",
+)  # fmt: skip
+BUILTINS: dict[str, Any] = {
+    **{n: getattr(builtins, n) for n in _SAFE_NAMES},
+    "None": None,
+    "True": True,
+    "False": False,
+}
+"""The builtins a program sees (module docstring)."""
+
+_INTROSPECTION = {
+    "gi_frame", "gi_code", "gi_yieldfrom", "cr_frame", "cr_code", "ag_frame", "ag_code",
+    "f_globals", "f_locals", "f_back", "f_builtins", "f_code", "tb_frame", "tb_next",
+    "func_globals", "func_code", "im_func", "im_self", "mro", "format", "format_map",
+}  # fmt: skip
+
+
+def _guarded_getattr(obj: Any, name: str, default: Any = None) -> Any:
+    if name.startswith("_") or name in _INTROSPECTION or name.startswith("co_"):
+        raise SandboxError(f"attribute {name!r} is not available to programs")
+    if isinstance(obj, DataPolicyPair) and name != "policy":
+        raise SandboxError(f"a data-policy pair has no attribute {name!r} for programs")
+    return getattr(obj, name)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A compiled program: its ``name`` and code object."""
+
+    name: str
+    code: Any
+
+
+def compile_program(source: str, name: str = "program") -> Program:
+    """Compile ``source`` with RestrictedPython; refusals become one :class:`SandboxError` listing them."""
+    if not isinstance(source, str):
+        raise SandboxError(f"program {name} must be Python source text")
+    result = compile_restricted_exec(source, filename=f"<{name}>")
+    if result.errors or result.code is None:
+        raise SandboxError(f"program {name} refused: " + "; ".join(result.errors or ("no code",)))
+    return Program(name, result.code)
+
+
+def _encode(value: Any) -> Any:
+    """The child's result as JSON-safe data (module docstring)."""
+    if isinstance(value, DataPolicyPair):
+        return {"__pair__": show(value.policy), "value": _encode(value._value())}
+    if isinstance(value, Policy):
+        return {"__policy__": show(value)}
+    if isinstance(value, np.ndarray):
+        return {"__array__": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(
+        f"a program may return numbers, strings, lists, dicts, arrays and pairs, not {type(value).__name__}"
+    )
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "__pair__" in value:
+        return DataPolicyPair(_decode(value["value"]), parse(value["__pair__"]))
+    if isinstance(value, dict) and "__policy__" in value:
+        return parse(value["__policy__"])
+    if isinstance(value, dict) and "__array__" in value:
+        return np.asarray(value["__array__"], dtype=np.dtype(value["dtype"]))
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+def _child(
+    program: Program,
+    entry: str,
+    args: tuple[Any, ...],
+    library: Mapping[str, Callable[..., Any]],
+    memory: int,
+    cpu: int,
+    conn: Any,
+) -> None:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:  # the forked image's address space
+            used = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (used + memory, used + memory))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        scope: dict[str, Any] = {
+            "__builtins__": BUILTINS,
+            "_getattr_": _guarded_getattr,
+            "_getitem_": default_guarded_getitem,
+            "_getiter_": iter,
+            "_write_": full_write_guard,
+            "_iter_unpack_sequence_": guarded_iter_unpack_sequence,
+            "_unpack_sequence_": guarded_unpack_sequence,
+            "__name__": program.name,
+            **library,
+        }
+        exec(program.code, scope)
+        fn = scope.get(entry)
+        if not callable(fn):
+            raise SandboxError(f"program {program.name} defines no function {entry}()")
+        conn.send_bytes(json.dumps({"ok": _encode(fn(*args))}).encode())
+    except MemoryError:
+        conn.send_bytes(
+            json.dumps(
+                {"error": "MemoryError", "message": f"over the memory limit of {memory} bytes"}
+            ).encode()
+        )
+    except BaseException as exc:
+        message = str(exc) if isinstance(exc, FedveilError) else ""
+        conn.send_bytes(json.dumps({"error": type(exc).__name__, "message": message[:500]}).encode())
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def run_program(
+    program: Program,
+    entry: str,
+    *args: Any,
+    library: Mapping[str, Callable[..., Any]] | None = None,
+    time_limit: float = 10.0,
+    memory_limit: int = 1 << 30,
+) -> Any:
+    """Call ``entry(*args)`` of ``program`` in a forked child under the limits (module docstring:
+    ``memory_limit`` bytes of address space beyond what the forked image already maps, ``time_limit``
+    seconds) and return its result; a refused operation, an exception of the program's own or an
+    exceeded limit is a :class:`SandboxError` naming it (an exception's message is passed on only when
+    fedveil wrote it)."""
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe(duplex=False)
+    cpu = max(1, int(time_limit + 0.999))
+    proc = context.Process(
+        target=_child, args=(program, entry, args, dict(library or {}), memory_limit, cpu, child), daemon=True
+    )
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(time_limit):
+            raise SandboxError(f"program {program.name} ran past its time limit of {time_limit} s")
+        reply = json.loads(parent.recv_bytes(64 << 20).decode())
+    except EOFError:
+        raise SandboxError(
+            f"program {program.name} was stopped (exit code {proc.exitcode}): a limit was exceeded"
+        ) from None
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        parent.close()
+    if "error" in reply:
+        detail = f": {reply['message']}" if reply.get("message") else ""
+        raise SandboxError(f"program {program.name} failed with {reply['error']}{detail}")
+    return _decode(reply["ok"])

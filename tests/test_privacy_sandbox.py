@@ -1,0 +1,85 @@
+"""The sandbox for third-party programs (PoliFL Sec. 4): a program uses pairs only through the trusted
+library; every escape attempt of the battery is refused at compile time or run time, and a huge
+allocation or an endless loop ends the program's child process, not the caller."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedveil.privacy.pairs import DataPolicyPair, Side, apply
+from fedveil.privacy.policy import parse, show
+from fedveil.privacy.sandbox import SandboxError, compile_program, run_program
+
+SECRET = 987654321.0
+
+
+def _pair() -> DataPolicyPair:
+    return DataPolicyPair(np.array([SECRET, 1.0]), parse("get_data . runFL . return"))
+
+
+def get_data(pair: DataPolicyPair) -> DataPolicyPair:
+    """A trusted library function: the command, checked and advanced."""
+    return apply("get_data", [pair], lambda v: v * 0 + 1, side=Side.DEVICE)
+
+
+def test_a_program_uses_pairs_through_the_library() -> None:
+    program = compile_program("def main(pair):\n    out = get_data(pair)\n    return [out, out.policy]\n")
+    result, policy = run_program(program, "main", _pair(), library={"get_data": get_data})
+    assert isinstance(result, DataPolicyPair) and show(result.policy) == "runFL . return"
+    assert show(policy) == "runFL . return"
+
+
+COMPILE_REFUSED = {
+    "dunder class": "def main(p):\n    return p.__class__\n",
+    "subclasses": "def main(p):\n    return ().__class__.__bases__[0].__subclasses__()\n",
+    "globals": "def main(p):\n    return main.__globals__\n",
+    "builtins": "def main(p):\n    return __builtins__\n",
+    "private slot": "def main(p):\n    return p._DataPolicyPair__value\n",
+    "private method": "def main(p):\n    return p._value()\n",
+    "traceback": (
+        "def main(p):\n    try:\n        1 / 0\n    except Exception as e:\n        return e.__traceback__\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILE_REFUSED))
+def test_compile_time_refusals(name: str) -> None:
+    with pytest.raises(SandboxError, match=r'refused: .*starts with "_"|refused: .*invalid'):
+        compile_program(COMPILE_REFUSED[name], name)
+
+
+RUN_REFUSED = {
+    "import": "def main(p):\n    import os\n    return os.getcwd()\n",
+    "getattr": "def main(p):\n    return getattr(p, 'policy')\n",
+    "setattr": "def main(p):\n    setattr(p, 'policy', None)\n",
+    "exec": "def main(p):\n    return exec('1')\n",
+    "eval": "def main(p):\n    return eval('1')\n",
+    "compile": "def main(p):\n    return compile('1', 'x', 'eval')\n",
+    "open": "def main(p):\n    return open('/etc/passwd').read()\n",
+    "type": "def main(p):\n    return type(p)\n",
+    "vars": "def main(p):\n    return vars(p)\n",
+    "format walk": "def main(p):\n    return '{0.policy}'.format(p)\n",
+    "generator frame": "def main(p):\n    g = (x for x in [1])\n    return g.gi_frame.f_globals\n",
+    "pair value attribute": "def main(p):\n    return p.value\n",
+    "pair write": "def main(p):\n    p.policy = None\n",
+    "string escape walk": "def main(p):\n    return 'x'.format_map({})\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUN_REFUSED))
+def test_refused_at_compile_or_run_time_never_showing_the_value(name: str) -> None:
+    with pytest.raises(SandboxError) as info:
+        program = compile_program(RUN_REFUSED[name], name)
+        run_program(program, "main", _pair(), library={"get_data": get_data}, time_limit=5)
+    assert str(int(SECRET)) not in str(info.value)
+
+
+def test_limits_end_the_child_not_the_caller() -> None:
+    loop = compile_program("def main():\n    while True:\n        pass\n", "loop")
+    with pytest.raises(SandboxError, match=r"time limit of 1\.0 s"):
+        run_program(loop, "main", time_limit=1.0)
+    big = compile_program("def main():\n    return [0] * (10 ** 10)\n", "alloc")
+    with pytest.raises(SandboxError, match=r"MemoryError|limit"):
+        run_program(big, "main", memory_limit=512 << 20, time_limit=5)
+    assert run_program(compile_program("def main():\n    return 1\n"), "main") == 1
