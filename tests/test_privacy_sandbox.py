@@ -83,3 +83,14 @@ def test_limits_end_the_child_not_the_caller() -> None:
     with pytest.raises(SandboxError, match=r"MemoryError|limit"):
         run_program(big, "main", memory_limit=512 << 20, time_limit=5)
     assert run_program(compile_program("def main():\n    return 1\n"), "main") == 1
+
+
+def test_bench_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from fedveil.cli import main
+
+    assert main(["bench", "policy", "--repeats", "20", "--sandbox-runs", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["advance_microseconds_median"] > 0 and row["sandbox_run_milliseconds_median"] > 0
+    assert main(["bench", "policy", "--repeats", "0"]) == 2

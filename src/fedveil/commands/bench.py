@@ -30,6 +30,7 @@ def register(subparsers: Any) -> None:
     _add_fedavg(benches)
     _add_ppfl(benches)
     _add_mobilefacenet(benches)
+    _add_policy(benches)
     _add_dlg(benches)
     parser.set_defaults(func=run)
 
@@ -376,6 +377,30 @@ def _run_mobilefacenet(args: argparse.Namespace) -> int:
             f"MobileFaceNet {row['image_size']}x{row['image_size']}, batch {row['batch_size']}, "
             f"{r['threads']} thread(s), BatchNorm {r['batchnorm']}: {r['images_per_second']:.1f} images/s"
         )
+    return 0
+
+
+def _add_policy(sub: Any) -> None:
+    p = sub.add_parser("policy", help="PoliFL policy advance (us) and sandbox compile / run cost")
+    p.add_argument("--repeats", type=int, default=2000, help="timed policy advances (default 2000)")
+    p.add_argument("--sandbox-runs", type=int, default=20, help="timed sandboxed runs (default 20)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(bench_func=_run_policy)
+
+
+def _run_policy(args: argparse.Namespace) -> int:
+    from fedveil.experiments.bench_policy import bench_policy
+
+    _require_positive(args, "repeats", "sandbox_runs")
+    row = bench_policy(repeats=args.repeats, sandbox_runs=args.sandbox_runs)
+    if args.json:
+        print(json.dumps(row, indent=2))
+        return 0
+    print(
+        f"policy advance {row['advance_microseconds_median']:.1f} us; sandbox compile "
+        f"{row['sandbox_compile_milliseconds']:.1f} ms, run {row['sandbox_run_milliseconds_median']:.1f} ms "
+        f"against {row['direct_call_microseconds_median']:.1f} us called directly"
+    )
     return 0
 
 

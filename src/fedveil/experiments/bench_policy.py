@@ -1,0 +1,64 @@
+"""``fedveil bench policy``: the cost of PoliFL enforcement (the PoliFL issue's speed row).
+
+- one policy advance (a derivative and its canonical reductions) of Sec. 3.3's FL policy, the running
+  sum's policy of an accumulation (intersected with a new local model's policy and advanced), each time
+  on a fresh state (the memoised derivative cache cleared, so the figure is the computation, not a
+  lookup);
+- the sandbox: compiling a small program with RestrictedPython, and running it (a forked child per run)
+  against calling the same function directly.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from fedveil.privacy.pairs import DataPolicyPair, Side, apply
+from fedveil.privacy.policy import Call, advance, derivative, inter, nullable, parse
+from fedveil.privacy.sandbox import compile_program, run_program
+
+__all__ = ["bench_policy"]
+
+FL = "get_data . train_local . accumulate* . (train_local . accumulate* + average*) . return"
+PROGRAM = "def main(pair):\n    out = get_data(pair)\n    return out.policy\n"
+
+
+def _get_data(pair: DataPolicyPair) -> DataPolicyPair:
+    return apply("get_data", [pair], lambda v: v, side=Side.DEVICE)
+
+
+def bench_policy(*, repeats: int = 2000, sandbox_runs: int = 20) -> dict[str, Any]:
+    """Microseconds per policy advance and per sandbox call (module docstring)."""
+    policy = parse(FL)
+    local = advance(policy, [Call.of("get_data"), Call.of("train_local")])
+    accumulate = Call.of("accumulate")
+    times = []
+    running = local
+    for _ in range(repeats):
+        derivative.cache_clear()
+        nullable.cache_clear()
+        start = time.perf_counter()
+        running = derivative(inter(running, local), accumulate)
+        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    program = compile_program(PROGRAM, "bench")
+    compile_seconds = time.perf_counter() - start
+    pair = DataPolicyPair(1.0, policy)
+    runs, direct = [], []
+    for _ in range(sandbox_runs):
+        start = time.perf_counter()
+        run_program(program, "main", pair, library={"get_data": _get_data})
+        runs.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        _get_data(pair)
+        direct.append(time.perf_counter() - start)
+    return {
+        "policy": FL,
+        "advance_microseconds_median": 1e6 * statistics.median(times),
+        "repeats": repeats,
+        "sandbox_compile_milliseconds": 1e3 * compile_seconds,
+        "sandbox_run_milliseconds_median": 1e3 * statistics.median(runs),
+        "direct_call_microseconds_median": 1e6 * statistics.median(direct),
+        "sandbox_runs": sandbox_runs,
+    }
