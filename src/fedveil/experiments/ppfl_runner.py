@@ -62,7 +62,7 @@ from fedveil.models.flat import FlatModel
 from fedveil.models.vision import LayerwiseNet
 from fedveil.models.weights import load_weights
 from fedveil.models.zoo import build_model
-from fedveil.protocols.fedavg import ImageFedAvgConfig
+from fedveil.protocols.fedavg import ImageFedAvgConfig, evaluate_model
 from fedveil.protocols.local import local_train
 from fedveil.protocols.ppfl import HIKEY_TEE_BYTES, PpflClients, PpflConfig, PpflServer, StageReport
 from fedveil.runtime.enclave_host import BOUNDARIES, EnclaveHost
@@ -456,7 +456,10 @@ def _public_model(
     """The public model a transfer run starts from (module docstring), and what to report about it."""
     if run.pretrained is not None:
         loaded = load_weights(model, run.pretrained)
-        return loaded, {"pretrained": run.pretrained, "accuracy": _accuracy(loaded, split.test)}
+        return loaded, {
+            "pretrained": run.pretrained,
+            "accuracy": evaluate_model(loaded, split.test.x, split.test.y)["accuracy"],
+        }
     if run.public_fraction is None:
         return None, {}
     used = np.concatenate([split.member_index, split.non_member_index])
@@ -474,7 +477,7 @@ def _public_model(
         "fraction": run.public_fraction,
         "samples": count,
         "epochs": run.public_epochs,
-        "accuracy": _accuracy(trained, split.test),
+        "accuracy": evaluate_model(trained, split.test.x, split.test.y)["accuracy"],
     }
 
 
@@ -502,13 +505,6 @@ def train_central(model: nn.Module, data: ImageData, cfg: PpflConfig, epochs: in
     )
     flat.load_into_module(p.detach().numpy())
     return trained.eval()
-
-
-def _accuracy(model: nn.Module, data: ImageData) -> float:
-    with torch.no_grad():
-        model.eval()
-        logits = model(torch.from_numpy(data.x))
-    return float((logits.argmax(1).numpy() == data.y).mean())
 
 
 def train_e2e(run: PpflRun, split: ImageSplit, rounds: int, show_bar: bool) -> list[dict[str, Any]]:
