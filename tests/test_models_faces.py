@@ -76,4 +76,6 @@ def test_bench_mobilefacenet_reports_images_per_second(capsys) -> None:
     row = json.loads(capsys.readouterr().out)
     assert [(r["threads"], r["batchnorm"]) for r in row["rows"]] == [(1, "training"), (1, "frozen")]
     assert all(r["images_per_second"] > 0 for r in row["rows"])
+    assert [r["threads"] for r in row["client_updates"]] == [1]
+    assert row["client_updates"][0]["client_updates_per_second"] > 0
     assert main([*argv, "--batch-size", "1"]) == 2

@@ -1,5 +1,8 @@
-"""``fedveil aiot efficiency``: AIoT Table 3 (002_a446963dedd95f77.txt) for MobileFaceNet.
+"""``fedveil aiot``: the AIoT private-projector framework (002_a446963dedd95f77.txt).
 
+- ``fedveil aiot run CONFIG [--out DIR] [--trials N] [--methods M,...] [--json]``: Tables 1 and 2 (the
+  pre-trained model, SOLO, centralized, the protocol and its ablations, TAR at FAR 1e-3 / 1e-4 over
+  trials; :func:`fedveil.experiments.aiot.run_aiot`), resumable in its output folder.
 - ``fedveil aiot faces [--out DIR] [--epochs E] [--json]``: how hard the synthetic face population is:
   pre-trained on its public domain, evaluated on the private one, fine-tuned there and evaluated again
   (:func:`fedveil.experiments.faces_domain.measure_domain_gap`), with a grid of sample photos.
@@ -19,10 +22,14 @@ from typing import Any
 
 def register(subparsers: Any) -> None:
     """Add the ``aiot`` command with its ``faces`` and ``efficiency`` actions."""
-    p = subparsers.add_parser(
-        "aiot", help="AIoT face verification with a private projector (efficiency so far)"
-    )
+    p = subparsers.add_parser("aiot", help="AIoT face verification with a private projector")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    r = actions.add_parser("run", help="Tables 1-2: fine-tune with private projectors, TAR@FAR over trials")
+    r.add_argument("config", type=Path, help="YAML settings, e.g. configs/aiot/small.yaml")
+    r.add_argument("--out", type=Path, help="output folder (default runs/<name>); a rerun resumes there")
+    r.add_argument("--trials", type=int, help="trials per method (default: the config's)")
+    r.add_argument("--methods", help="comma-separated methods (default: the config's)")
+    r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
     f = actions.add_parser("faces", help="the synthetic face population: domain gap, TAR@FAR, samples")
     f.add_argument(
         "--out", type=Path, default=Path("runs/aiot_faces"), help="folder for faces.json, faces.png"
@@ -73,10 +80,38 @@ def _faces(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from fedveil.experiments.aiot import load_aiot_run, run_aiot
+
+    overrides: dict[str, Any] = {}
+    if args.trials is not None:
+        overrides["trials"] = args.trials
+    if args.methods:
+        overrides["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
+    cfg = load_aiot_run(args.config, overrides)
+    out = args.out or Path("runs") / cfg.name
+    record = run_aiot(cfg, out, progress=not args.json)
+    if args.json:
+        print(json.dumps(record, indent=2, sort_keys=True))
+        return 0
+    print(f"{record['model']}; {record['data']}")
+    print(f"{'method':<14} {'trials':>6}  {'TAR@FAR1e-3':>16}  {'TAR@FAR1e-4':>16}  {'Eq. 5 accuracy':>16}")
+    for method, row in record["summary"].items():
+        cells = [
+            f"{100 * row[k]['mean']:6.2f} +- {100 * row[k]['std']:5.2f}"
+            for k in ("tar_at_far_1e-3", "tar_at_far_1e-4", "identification_accuracy")
+        ]
+        print(f"{method:<14} {row['trials']:>6}  {cells[0]:>16}  {cells[1]:>16}  {cells[2]:>16}")
+    print(f"(percent, mean +- std over trials; {record['impostor_pairs']} impostor pairs) written to {out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Dispatch to the action."""
     if args.action == "faces":
         return _faces(args)
+    if args.action == "run":
+        return _run(args)
     from fedveil.models.faces import ArcFace, MobileFaceNet
     from fedveil.models.measure import efficiency
 

@@ -41,6 +41,14 @@ def register(subparsers: Any) -> None:
             default="gradient",
             help="gradient: the batch gradient (FedSGD); fedavg: one FedAvg round's upload off the wire",
         )
+        if name != "idlg":
+            p.add_argument(
+                "--defence",
+                choices=("none", "projector", "projector-upper-bound"),
+                default="none",
+                help="AIoT's private projector: the last layer stays on the device; the attacker starts "
+                "it at random (projector) or at the true values (projector-upper-bound)",
+            )
         _common(p)
     for name, text in (
         ("mia", "membership inference: Yeom loss threshold and Nasr-style white-box classifier"),
@@ -84,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             view=args.view,
             seed=args.seed,
             out=args.out,
+            defence=getattr(args, "defence", "none"),
         )
         if args.json:
             print(json.dumps(summary, indent=2, default=float))

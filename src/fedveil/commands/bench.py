@@ -347,7 +347,8 @@ def _run_ppfl(args: argparse.Namespace) -> int:
 
 def _add_mobilefacenet(sub: Any) -> None:
     p = sub.add_parser(
-        "mobilefacenet", help="MobileFaceNet forward + backward images/s (ArcFace loss), 1 and 2 threads"
+        "mobilefacenet",
+        help="MobileFaceNet forward + backward images/s (ArcFace loss) and AIoT client updates/s",
     )
     p.add_argument("--image-size", type=int, default=112, help="input side (default 112)")
     p.add_argument("--width", type=float, default=1.0, help="channel width multiplier (default 1)")
@@ -376,6 +377,11 @@ def _run_mobilefacenet(args: argparse.Namespace) -> int:
         print(
             f"MobileFaceNet {row['image_size']}x{row['image_size']}, batch {row['batch_size']}, "
             f"{r['threads']} thread(s), BatchNorm {r['batchnorm']}: {r['images_per_second']:.1f} images/s"
+        )
+    for r in row["client_updates"]:
+        print(
+            f"AIoT client updates (20 photos, batch 8, projector, frozen BatchNorm), {r['threads']} "
+            f"thread(s): {r['client_updates_per_second']:.2f} updates/s"
         )
     return 0
 

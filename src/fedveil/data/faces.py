@@ -17,6 +17,9 @@
 
 Every failure names the file, the record or line and what was expected. :func:`write_recordio` writes
 the same format (tiny fixtures, synthetic stand-ins).
+
+:func:`face_devices` spreads a population's identities over devices (the AIoT paper's private photos on
+the devices): each device holds all photos of its own identities, labelled locally ``0 .. k-1``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.data.images import decode_image
 from fedveil.errors import ConfigError, ValidationError
 
@@ -36,6 +40,7 @@ __all__ = [
     "FaceImages",
     "FacePair",
     "RecordIO",
+    "face_devices",
     "load_face_folder",
     "load_recordio_faces",
     "read_pairs",
@@ -47,7 +52,7 @@ __all__ = [
 RECORD_MAGIC = 0xCED7230A
 _IRHEADER = struct.Struct("<IfQQ")
 _LENGTH_MASK = (1 << 29) - 1
-_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,30 @@ class FaceImages:
 
     def __len__(self) -> int:
         return len(self.identity)
+
+
+def face_devices(
+    faces: FaceImages, identities_per_device: int, *, prefix: str = "device"
+) -> FederatedDataset:
+    """``faces``' identities in consecutive groups of ``identities_per_device``, one group per device.
+
+    Device ``<prefix>-0000`` holds identities ``0 .. k-1``, the next ``k .. 2k-1``, ...; the last device
+    holds what remains (possibly fewer). Each device has ``x`` (its photos), ``y`` (local labels
+    ``0 .. k-1``, the classes of its own ArcFace projector) and ``identity`` (the population's indices),
+    and the attribute ``identities`` (its ``k``)."""
+    if isinstance(identities_per_device, bool) or identities_per_device < 1:
+        raise ConfigError(f"identities_per_device {identities_per_device!r} must be an integer >= 1")
+    users = []
+    count = len(faces.names)
+    for d, first in enumerate(range(0, count, identities_per_device)):
+        ids = np.arange(first, min(first + identities_per_device, count))
+        rows = np.flatnonzero(np.isin(faces.identity, ids))
+        if rows.size == 0:
+            continue
+        local = np.searchsorted(ids, faces.identity[rows]).astype(np.int64)
+        arrays = {"x": faces.x[rows], "y": local, "identity": faces.identity[rows]}
+        users.append(UserData(f"{prefix}-{d:04d}", {"identities": str(len(ids))}, arrays))
+    return FederatedDataset(users)
 
 
 def _faces(pixels: list[np.ndarray], identity: list[int], names: Sequence[str], source: str) -> FaceImages:
@@ -123,7 +152,7 @@ def load_face_folder(
         raise ValidationError(f"{root} has no identity folders (expected root/n000001/0001_01.jpg)")
     pixels, identity = [], []
     for index, folder in enumerate(folders):
-        files = sorted(f for f in (root / folder).iterdir() if f.suffix.lower() in _IMAGE_SUFFIXES)
+        files = sorted(f for f in (root / folder).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
             raise ValidationError(f"identity folder {root / folder} has no .jpg/.png photos")
         for f in files[:max_per_identity]:

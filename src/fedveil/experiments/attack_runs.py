@@ -6,6 +6,11 @@
   iterations (AIoT Fig. 4). ``view="gradient"``: the client's batch gradient (DLG's setting, FedSGD);
   ``view="fedavg"``: one real FedAvg round through the engine and the codec, one local SGD step, the
   upload read off the wire by :class:`~fedveil.attacks.observe.WireObserver` (its delta over ``-lr``).
+  ``defence="projector"``: AIoT's private projector (002_a446963dedd95f77.txt, Sec. 5.5): the model's last
+  layer (here LeNet's classifier standing in for the paper's ArcFace projector) stays on the device, so the
+  observer sees the gradient of every other layer; the attacker initialises a projector at random and
+  optimises it jointly with the dummy input. ``"projector-upper-bound"``: the paper's displayed attacker,
+  whose projector starts at the true values (still optimised jointly).
 - :func:`run_membership`: an undefended FedAvg model trained on Fashion-MNIST until it overfits, attacked by
   Yeom's loss threshold, the Nasr-style white-box classifier and LiRA (offline and online); beside it a
   control model trained by the same recipe on disjoint data, on which every attack must sit at chance.
@@ -52,7 +57,9 @@ from fedveil.protocols.local import LocalOptimizer, local_train
 from fedveil.runtime.simulation import SimulationRuntime
 
 __all__ = [
+    "DEFENCES",
     "INVERSIONS",
+    "last_layer",
     "membership_run",
     "run_inversion",
     "run_membership",
@@ -61,6 +68,14 @@ __all__ = [
 ]
 
 INVERSIONS = {"dlg": dlg_attack, "idlg": idlg_attack, "ig": inverting_gradients_attack}
+DEFENCES = ("none", "projector", "projector-upper-bound")
+
+
+def last_layer(model: nn.Module) -> list[str]:
+    """The parameter names of ``model``'s last layer (the module holding its last parameter)."""
+    names = [n for n, _ in model.named_parameters()]
+    owner = names[-1].rsplit(".", 1)[0] if "." in names[-1] else ""
+    return [n for n in names if (n.rsplit(".", 1)[0] if "." in n else "") == owner]
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -122,6 +137,7 @@ def run_inversion(
     lr: float = 0.1,
     seed: int = 0,
     out: Path | None = None,
+    defence: str = "none",
 ) -> dict[str, Any]:
     """Invert ``targets`` client batches of ``batch`` test images with ``attack`` (``dlg``, ``idlg``, ``ig``).
 
@@ -133,6 +149,13 @@ def run_inversion(
         raise ConfigError(f"inversion attack {attack!r} is not one of {', '.join(INVERSIONS)}")
     if view not in ("gradient", "fedavg"):
         raise ConfigError(f"view {view!r} is not one of gradient, fedavg")
+    if defence not in DEFENCES:
+        raise ConfigError(f"defence {defence!r} is not one of {', '.join(DEFENCES)}")
+    if defence != "none" and (view != "gradient" or attack == "idlg"):
+        raise ConfigError(
+            f"defence {defence!r} is studied on the gradient view with dlg or ig (iDLG reads the label off "
+            "the last layer, which the projector hides)"
+        )
     if batch < 1 or targets < 1:
         raise ConfigError(f"batch {batch!r} and targets {targets!r} must be >= 1")
     images = load_image_dataset(data, "test", seed=seed)
@@ -141,6 +164,8 @@ def run_inversion(
         raise ConfigError(f"{images.name} has {len(images)} test images, fewer than {batch} x {targets}")
     run = INVERSIONS[attack]
     kwargs: dict[str, Any] = {} if iterations is None else {"iterations": iterations}
+    if defence != "none":
+        kwargs["optimize_hidden"] = True
     rows: list[dict[str, Any]] = []
     shown: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
     t0 = time.perf_counter()
@@ -155,7 +180,21 @@ def run_inversion(
             image_size=images.image_shape[1],
             seed=seed + i,
         )
-        seen = client_gradient_view(net, x, y) if view == "gradient" else _fedavg_one_step_view(net, x, y, lr)
+        if view == "fedavg":
+            seen = _fedavg_one_step_view(net, x, y, lr)
+        elif defence == "none":
+            seen = client_gradient_view(net, x, y)
+        else:
+            guess = None
+            if defence == "projector":
+                guess = build_model(
+                    model,
+                    num_classes=images.num_classes,
+                    in_channels=images.image_shape[0],
+                    image_size=images.image_shape[1],
+                    seed=seed + 10_000 + i,
+                )
+            seen = client_gradient_view(net, x, y, hidden=last_layer(net), attacker_model=guess)
         result = run(
             seen,
             image_shape=images.image_shape,
@@ -185,6 +224,7 @@ def run_inversion(
         "data_source": images.describe(),
         "synthetic_data": images.synthetic,
         "view": view,
+        "defence": defence,
         "batch": batch,
         "targets": targets,
         "mse": float(np.median([r["mse"] for r in rows])),
@@ -201,8 +241,9 @@ def run_inversion(
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         x, y, grid = _grid_result(shown if batch == 1 else shown[:1])
-        save_inversion_grid(out / f"attack_{attack}_batch{batch}.png", x, grid, original_labels=y)
-        _write_json(out / f"attack_{attack}_batch{batch}.json", summary)
+        stem = f"attack_{attack}_batch{batch}" + ("" if defence == "none" else f"_{defence}")
+        save_inversion_grid(out / f"{stem}.png", x, grid, original_labels=y)
+        _write_json(out / f"{stem}.json", summary)
     return summary
 
 

@@ -1,7 +1,12 @@
 """``fedveil bench mobilefacenet``: images per second of MobileFaceNet's forward + backward (the AIoT
 issue's speed row): an ArcFace loss over ``classes`` identities on random images of the given side,
 batch ``batch_size``, at each of ``threads`` torch thread counts; the median of ``repeats`` timed steps
-after one warm-up step, BatchNorm in training mode (pre-training) and frozen (fine-tuning, Sec. 4.1)."""
+after one warm-up step, BatchNorm in training mode (pre-training) and frozen (fine-tuning, Sec. 4.1).
+
+``client_updates`` adds the AIoT setting's FedAvg client updates per second: a device of
+:mod:`fedveil.protocols.projector` (4 synthetic identities x 5 photos, batches of 8, one local epoch,
+its own ArcFace projector, frozen BatchNorm, warm-up) answering a :class:`FitRequest`, ``devices`` of
+them per timed call, median of ``repeats`` calls after a warm-up call."""
 
 from __future__ import annotations
 
@@ -13,10 +18,42 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedveil.data.faces import face_devices, synthetic_faces
 from fedveil.errors import ConfigError
 from fedveil.models.faces import ArcFace, MobileFaceNet
+from fedveil.protocols.local import LocalOptimizer
+from fedveil.protocols.messages import FitRequest
+from fedveil.protocols.projector import ProjectorClients, backbone_flat
 
-__all__ = ["bench_mobilefacenet"]
+__all__ = ["bench_client_updates", "bench_mobilefacenet"]
+
+
+def bench_client_updates(
+    *, image_size: int, width: float, threads: int, repeats: int, devices: int = 5, seed: int = 0
+) -> float:
+    """AIoT client updates per second (module docstring) at ``threads`` torch threads."""
+    faces, _ = synthetic_faces(4 * devices, 4, size=image_size, seed=seed)
+    model = MobileFaceNet(image_size=image_size, width=width)
+    pool = ProjectorClients(
+        model,
+        face_devices(faces, 4),
+        embedding_dim=model.embedding_dim,
+        optimizer=LocalOptimizer(lr=0.001, momentum=0.9),
+        seed=seed,
+    )
+    request = FitRequest(1, 0.001, 1, 8, backbone_flat(model).initial())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for r in range(repeats + 1):
+            start = time.perf_counter()
+            pool.handle_batch({cid: request for cid in pool.client_ids()})
+            if r:
+                times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return devices / statistics.median(times)
 
 
 def bench_mobilefacenet(
@@ -28,8 +65,10 @@ def bench_mobilefacenet(
     repeats: int = 5,
     classes: int = 1000,
     seed: int = 0,
+    client_updates: bool = True,
 ) -> dict[str, Any]:
-    """Images per second per thread count and BatchNorm mode (module docstring)."""
+    """Images per second per thread count and BatchNorm mode, and client updates per second per thread
+    count (module docstring)."""
     if batch_size < 2 or repeats < 1 or not threads or min(threads) < 1:
         raise ConfigError(
             f"batch {batch_size} must be >= 2, repeats {repeats} and threads {list(threads)} >= 1"
@@ -65,6 +104,15 @@ def bench_mobilefacenet(
                 )
     finally:
         torch.set_num_threads(before)
+    updates = [
+        {
+            "threads": n,
+            "client_updates_per_second": bench_client_updates(
+                image_size=image_size, width=width, threads=n, repeats=repeats, seed=seed
+            ),
+        }
+        for n in (threads if client_updates else ())
+    ]
     return {
         "model": "mobilefacenet",
         "image_size": image_size,
@@ -73,4 +121,5 @@ def bench_mobilefacenet(
         "repeats": repeats,
         "classes": classes,
         "rows": rows,
+        "client_updates": updates,
     }

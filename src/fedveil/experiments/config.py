@@ -21,7 +21,8 @@ from fedveil.errors import ConfigError
 from fedveil.protocols.settings import FDMLConfig, FedAvgConfig
 
 PROTOCOLS = ("fdml", "fedavg")
-DATA_KINDS = ("touchauth-synthetic", "touchauth-csv")
+DATA_KINDS = ("touchauth-synthetic", "touchauth-csv", "cameraauth-synthetic", "cameraauth-folder")
+NETWORKS = ("auto", "touchauth", "resnet34")
 LATENCY_KINDS = ("constant", "exponential", "lognormal", "uniform")
 DP_MODES = ("paper", "strict")
 BOUNDARIES = ("process", "inprocess", "none")
@@ -58,13 +59,34 @@ class DataSection:
     """Where the users come from: the embedded synthetic TouchAuth population (default, scaled by
     the per-model user counts) or real touch logs in the CSV schema of ``fedveil.data.touch_csv``
     at ``path`` (then ``test_users_per_model[0]`` test users are drawn from every phone model, seeded by
-    ``seed``, and ``train_users_per_model`` is unused)."""
+    ``seed``, and ``train_users_per_model`` is unused).
+
+    CameraAuth (FDML Sec. VII-B, :mod:`fedveil.data.cameraauth`): ``cameraauth-synthetic`` (the synthetic
+    face population) or ``cameraauth-folder`` (a VGGFace2-layout folder at ``path``), with
+    ``train_people`` x ``train_photos`` and ``test_people`` x ``test_photos`` photos of side ``image_size``
+    (the paper: 300 x 70, 100 x 40; its photo size is not stated)."""
 
     kind: str = "touchauth-synthetic"
     path: str | None = None
     seed: int = 0
     train_users_per_model: tuple[int, ...] = (507, 333, 287, 270)
     test_users_per_model: tuple[int, ...] = (30, 30, 30, 30)
+    train_people: int = 300
+    test_people: int = 100
+    train_photos: int = 70
+    test_photos: int = 40
+    image_size: int = 64
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The embedding network: ``auto`` (TouchAuth's network for touch data, ResNet-34 for CameraAuth),
+    ``touchauth`` or ``resnet34`` (FDML Sec. VII-B, 64-d output) with its channel ``width`` (1: the
+    paper's) and ``norm`` (``batch`` or ``group``: GroupNorm, no dependence on the batch, the default)."""
+
+    network: str = "auto"
+    width: float = 1.0
+    norm: str = "group"
 
 
 @dataclass(frozen=True)
@@ -128,6 +150,7 @@ class ExperimentConfig:
     seed: int = 0
     rounds: int = 100
     data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
     fdml: FDMLConfig = field(default_factory=FDMLConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     dp: DPSection = field(default_factory=DPSection)
@@ -145,6 +168,24 @@ class ExperimentConfig:
             raise ConfigError(f"data.kind: {self.data.kind!r} is not one of {', '.join(DATA_KINDS)}")
         if self.data.kind == "touchauth-csv" and not self.data.path:
             raise ConfigError("data.path: touchauth-csv needs the path of a touch-log CSV file")
+        if self.data.kind == "cameraauth-folder" and not self.data.path:
+            raise ConfigError(
+                "data.path: cameraauth-folder needs a VGGFace2-layout folder (root/n000001/0001_01.jpg)"
+            )
+        if self.data.image_size < 32:
+            raise ConfigError(
+                f"data.image_size: {self.data.image_size!r} must be >= 32 (ResNet-34's smallest input)"
+            )
+        if self.model.network not in NETWORKS:
+            raise ConfigError(f"model.network: {self.model.network!r} is not one of {', '.join(NETWORKS)}")
+        if self.model.norm not in ("batch", "group"):
+            raise ConfigError(f"model.norm: {self.model.norm!r} is not one of batch, group")
+        camera = self.data.kind.startswith("cameraauth")
+        if (self.network == "touchauth") == camera:
+            raise ConfigError(
+                f"model.network: {self.network!r} does not read {self.data.kind!r} data "
+                "(touchauth reads touch events, resnet34 reads photos)"
+            )
         if self.eval.every < 0:
             raise ConfigError(f"eval.every: {self.eval.every!r} must be >= 0 (0 = evaluate only at the end)")
         if self.runtime.threads < 1:
@@ -166,6 +207,13 @@ class ExperimentConfig:
                 raise ConfigError(
                     f"faults.{phase}.fail_prob: {getattr(self.faults, phase).fail_prob!r} must be in [0, 1]"
                 )
+
+    @property
+    def network(self) -> str:
+        """The embedding network ``model.network`` resolves to for this data."""
+        if self.model.network != "auto":
+            return self.model.network
+        return "resnet34" if self.data.kind.startswith("cameraauth") else "touchauth"
 
     def _check_dp(self) -> None:
         dp = self.dp

@@ -74,13 +74,15 @@ class FaceDomainRun:
             )
 
 
-def embed_faces(model: nn.Module, x: np.ndarray, *, batch: int = 256) -> np.ndarray:
-    """L2-normalised embeddings of ``x`` ``(n, 3, S, S)`` with ``model`` in eval mode."""
+def embed_faces(model: nn.Module, x: np.ndarray, *, batch: int = 256, normalise: bool = True) -> np.ndarray:
+    """Embeddings of ``x`` ``(n, 3, S, S)`` with ``model`` in eval mode, L2-normalised unless
+    ``normalise=False`` (AIoT Eq. 5 compares raw embeddings)."""
     model.eval()
     out = []
     with torch.no_grad():
         for s in range(0, len(x), batch):
-            out.append(nn.functional.normalize(model(torch.from_numpy(x[s : s + batch]))).numpy())
+            e = model(torch.from_numpy(x[s : s + batch]))
+            out.append((nn.functional.normalize(e) if normalise else e).numpy())
     return np.concatenate(out)
 
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from fedveil.core.atomic import atomic_write
 from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuoteVerifier
+from fedveil.data.cameraauth import cameraauth_from_folder, synthetic_cameraauth
 from fedveil.data.touch_csv import load_touch_population
 from fedveil.data.touchauth import TouchAuthConfig, generate_touchauth
 from fedveil.enclave.channel import RECORD_OVERHEAD
@@ -41,6 +42,7 @@ from fedveil.experiments.checkpoint import (
 from fedveil.experiments.config import ExperimentConfig, config_to_dict
 from fedveil.experiments.plots import plot_round_timing, plot_series, summarise_timings
 from fedveil.experiments.privacy_setup import plan_privacy
+from fedveil.models.faces import ResNet34Embedding
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
 from fedveil.protocols.fdml import AttestedEnclave, DPRelease, FDMLClients, FDMLServer, LocalEnclave
@@ -71,7 +73,21 @@ class Trainer:
 
 
 def build_population(cfg: ExperimentConfig) -> Any:
-    """The users of the experiment: the synthetic TouchAuth population or real touch logs."""
+    """The users of the experiment: the synthetic TouchAuth population, real touch logs, or CameraAuth's
+    people (synthetic faces or a VGGFace2-layout folder)."""
+    d = cfg.data
+    if d.kind.startswith("cameraauth"):
+        sizes = {
+            "train_people": d.train_people,
+            "test_people": d.test_people,
+            "train_photos": d.train_photos,
+            "test_photos": d.test_photos,
+            "size": d.image_size,
+            "seed": d.seed,
+        }
+        if d.kind == "cameraauth-folder":
+            return cameraauth_from_folder(d.path, **sizes)
+        return synthetic_cameraauth(**sizes)
     if cfg.data.kind == "touchauth-csv":
         return load_touch_population(
             cfg.data.path, test_users_per_model=cfg.data.test_users_per_model[0], seed=cfg.data.seed
@@ -95,10 +111,21 @@ def _faults(cfg: ExperimentConfig) -> dict[str, PhaseFaults]:
     return out
 
 
+def input_shape(cfg: ExperimentConfig) -> tuple[int, ...]:
+    """The shape of one sample: a touch window ``(1, 30, 10)`` or a photo ``(3, S, S)``."""
+    if cfg.data.kind.startswith("cameraauth"):
+        return (3, cfg.data.image_size, cfg.data.image_size)
+    return (1, 30, 10)
+
+
 def _models(cfg: ExperimentConfig, num_users: int) -> tuple[FlatModel, FlatModel]:
     """(the embedding network, the model the protocol trains), initialised from ``cfg.seed``."""
     torch.manual_seed(cfg.seed)
-    embed_net = TouchAuthNet(EMBEDDING_DIM)
+    embed_net: torch.nn.Module
+    if cfg.network == "resnet34":
+        embed_net = ResNet34Embedding(EMBEDDING_DIM, width=cfg.model.width, norm=cfg.model.norm)
+    else:
+        embed_net = TouchAuthNet(EMBEDDING_DIM)
     embed_flat = FlatModel(embed_net)
     if cfg.protocol == "fdml":
         return embed_flat, embed_flat
@@ -121,9 +148,17 @@ def build_clients(
             attributes=attributes,
             seed=cfg.seed,
             batched=cfg.runtime.batched,
+            input_shape=input_shape(cfg),
             sessions=sessions,
         )
-    return FedAvgClients(population, model, attributes=attributes, seed=cfg.seed, batched=cfg.runtime.batched)
+    return FedAvgClients(
+        population,
+        model,
+        attributes=attributes,
+        seed=cfg.seed,
+        batched=cfg.runtime.batched,
+        input_shape=input_shape(cfg),
+    )
 
 
 def build_trainer(
@@ -226,9 +261,11 @@ def device_sessions(
 
 
 def embed_samples(flat: FlatModel, weights: np.ndarray, samples: np.ndarray, batch: int = 1024) -> np.ndarray:
-    """Embeddings ``(U, S, d)`` of test samples ``(U, S, 30, 10)`` under ``weights``."""
+    """Embeddings ``(U, S, d)`` of test samples ``(U, S, 30, 10)`` (touch windows, one channel) or
+    ``(U, S, 3, H, W)`` (photos) under ``weights``."""
     u, s = samples.shape[:2]
-    x = torch.from_numpy(np.array(samples, dtype=np.float32)).reshape(u * s, 1, *samples.shape[2:])
+    shape = (1, *samples.shape[2:]) if samples.ndim == 4 else samples.shape[2:]
+    x = torch.from_numpy(np.array(samples, dtype=np.float32)).reshape(u * s, *shape)
     p = torch.from_numpy(np.array(weights, dtype=np.float32))
     with torch.no_grad():
         out = torch.cat([flat(p, x[i : i + batch]) for i in range(0, len(x), batch)])

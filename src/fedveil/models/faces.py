@@ -177,21 +177,31 @@ class ArcFace(nn.Module):
         return self.scale * cos.scatter(1, labels.view(-1, 1), shifted)
 
 
+NORMS = ("batch", "group")
+
+
+def _norm(kind: str, channels: int) -> nn.Module:
+    """BatchNorm, or GroupNorm with ``channels / 4`` groups (at most 32; Wu & He 2018)."""
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    return nn.GroupNorm(max(1, min(32, channels // 4)), channels)
+
+
 class BasicBlock(nn.Module):
     """ResNet's two 3 x 3 convolutions with a shortcut (a 1 x 1 projection when the shape changes)."""
 
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
+    def __init__(self, cin: int, cout: int, stride: int, norm: str = "batch") -> None:
         super().__init__()
         self.body = nn.Sequential(
             nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
-            nn.BatchNorm2d(cout),
+            _norm(norm, cout),
             nn.ReLU(inplace=True),
             nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
-            nn.BatchNorm2d(cout),
+            _norm(norm, cout),
         )
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _norm(norm, cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``relu(body(x) + shortcut(x))``."""
@@ -199,27 +209,42 @@ class BasicBlock(nn.Module):
 
 
 class ResNet34Embedding(nn.Module):
-    """ResNet-34 with an ``embedding_dim``-d linear output (module docstring); any input side >= 32."""
+    """ResNet-34 with an ``embedding_dim``-d linear output (module docstring); any input side >= 32.
 
-    def __init__(self, embedding_dim: int = 64, *, in_channels: int = 3) -> None:
+    ``width`` scales every channel count (multiples of 8; 1 is He et al.'s network) and ``norm`` chooses
+    BatchNorm (``"batch"``, torchvision's) or GroupNorm (``"group"``: no dependence on the batch, for
+    FDML's devices, whose batch is 8 photos of one person and whose test photos are embedded alone)."""
+
+    def __init__(
+        self, embedding_dim: int = 64, *, in_channels: int = 3, width: float = 1.0, norm: str = "batch"
+    ) -> None:
         super().__init__()
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ConfigError(f"embedding_dim {embedding_dim!r} must be an integer >= 1")
+        if not (math.isfinite(width) and 0 < width <= 4):
+            raise ConfigError(f"width {width!r} must lie in (0, 4] (1 is the paper's ResNet-34)")
+        if norm not in NORMS:
+            raise ConfigError(f"norm {norm!r} is not one of {', '.join(NORMS)}")
+
+        def ch(c: int) -> int:
+            return max(8, 8 * round(c * width / 8))
+
         layers: list[nn.Module] = [
-            nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False),
-            nn.BatchNorm2d(64),
+            nn.Conv2d(in_channels, ch(64), 7, 2, 3, bias=False),
+            _norm(norm, ch(64)),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(3, 2, 1),
         ]
-        cin = 64
+        cin = ch(64)
         for cout, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
             for i in range(blocks):
-                layers.append(BasicBlock(cin, cout, stride if i == 0 else 1))
-                cin = cout
+                layers.append(BasicBlock(cin, ch(cout), stride if i == 0 else 1, norm))
+                cin = ch(cout)
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
         self.backbone = nn.Sequential(*layers)
-        self.embedding = nn.Linear(512, embedding_dim)
+        self.embedding = nn.Linear(cin, embedding_dim)
         self.embedding_dim = embedding_dim
+        self.width, self.norm = width, norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` -> embeddings ``(B, embedding_dim)``."""

@@ -3,6 +3,11 @@
 Protocols send weights and gradients as a single 1-D float32 array (one codec buffer, one
 aggregation kernel). :class:`FlatModel` maps such a vector to the module's parameters without
 copying and evaluates the module functionally, so many clients can share one module object.
+
+With ``buffers=True`` the module's floating-point buffers (BatchNorm's running mean and variance) follow
+the parameters in the vector: the whole state a server sends when the statistics travel with the model
+(the AIoT projector protocol, where they are frozen at the pre-trained values or averaged like weights).
+Integer buffers (``num_batches_tracked``) are never part of it.
 """
 
 from __future__ import annotations
@@ -15,21 +20,32 @@ from torch import nn
 from torch.func import functional_call
 
 
-class FlatModel:
-    """Functional view of ``module`` through a flat parameter vector (buffers are not parameters)."""
+def float_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s floating-point buffers by name (BatchNorm's running statistics; not its counters)."""
+    return [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
 
-    def __init__(self, module: nn.Module) -> None:
+
+class FlatModel:
+    """Functional view of ``module`` through a flat vector of its parameters (and, with ``buffers``, its
+    floating-point buffers after them: module docstring). ``num_params`` is the vector's length,
+    ``buffer_names`` the buffers it holds."""
+
+    def __init__(self, module: nn.Module, *, buffers: bool = False) -> None:
         self.module = module
-        self.names = [n for n, _ in module.named_parameters()]
-        self.shapes = [tuple(p.shape) for _, p in module.named_parameters()]
+        tensors = list(module.named_parameters()) + (float_buffers(module) if buffers else [])
+        self.names = [n for n, _ in tensors]
+        self.buffer_names = [n for n, _ in float_buffers(module)] if buffers else []
+        self.shapes = [tuple(t.shape) for _, t in tensors]
         self.sizes = [math.prod(s) for s in self.shapes]
         self.num_params = sum(self.sizes)
 
+    def _tensors(self) -> list[torch.Tensor]:
+        kept = [b for _, b in float_buffers(self.module)] if self.buffer_names else []
+        return list(self.module.parameters()) + kept
+
     def initial(self) -> np.ndarray:
-        """The module's current parameters as a flat float32 vector (a copy)."""
-        return (
-            torch.cat([p.detach().reshape(-1) for p in self.module.parameters()]).numpy().astype(np.float32)
-        )
+        """The module's current parameters (and buffers) as a flat float32 vector (a copy)."""
+        return torch.cat([t.detach().reshape(-1) for t in self._tensors()]).numpy().astype(np.float32)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat`` (shape ``(num_params,)``) shaped as each named parameter."""
@@ -43,10 +59,10 @@ class FlatModel:
         return functional_call(self.module, self.unflatten(flat), (x,))
 
     def load_into_module(self, flat: np.ndarray) -> nn.Module:
-        """Copy ``flat`` into the module's parameters and return the module (for evaluation)."""
+        """Copy ``flat`` into the module's parameters (and buffers) and return the module (for evaluation)."""
         with torch.no_grad():
             for p, piece in zip(
-                self.module.parameters(),
+                self._tensors(),
                 torch.split(torch.from_numpy(np.array(flat)), self.sizes),
                 strict=True,
             ):

@@ -15,6 +15,10 @@ momentum ``mu`` and weight decay ``lambda`` (``g <- g + lambda p``; ``b <- mu b 
 ``p <- p - lr b``) and Adam (Kingma & Ba 2015, Alg. 1, with PyTorch's bias correction and ``eps`` added
 after the square root). A ``mask`` of 0/1 per parameter keeps frozen parameters (PPFL's released layers)
 exactly unchanged.
+
+Gradients come from :func:`torch.func.grad_and_value` (composable with ``vmap``), or with ``eager=True``
+from plain autograd: the way for a loss whose model mutates its buffers in the forward pass (BatchNorm
+in train mode updating its running statistics, which ``torch.func`` transforms refuse).
 """
 
 from __future__ import annotations
@@ -174,15 +178,30 @@ def local_train(
     mask: torch.Tensor | None = None,
     *,
     inplace: bool = False,
+    eager: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One client's local training: a step of ``opt`` on each batch in order.
 
     ``p`` is the flat parameter vector received, ``batches`` the mini-batches (tuples of the loss's
     arguments after the parameters), ``lr`` this round's rate (or one per step). Returns the trained
     parameters and the mean training loss over the steps. ``inplace=True`` trains ``p`` itself (the
-    caller hands it over) with in-place steps, bit-identical and lighter on memory.
+    caller hands it over) with in-place steps, bit-identical and lighter on memory. ``eager=True`` takes
+    gradients by plain autograd (module docstring), with equal numbers.
     """
-    return _loop(grad_and_value(loss), p, batches, opt, lr, mask, inplace)
+    step = _eager_grad_and_value(loss) if eager else grad_and_value(loss)
+    return _loop(step, p, batches, opt, lr, mask, inplace)
+
+
+def _eager_grad_and_value(loss: Loss) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``grad_and_value(loss)`` by plain autograd (module docstring: models that mutate buffers)."""
+
+    def step(p: torch.Tensor, *batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = p.detach().requires_grad_(True)
+        value = loss(leaf, *batch)
+        (g,) = torch.autograd.grad(value, leaf)
+        return g, value.detach()
+
+    return step
 
 
 def local_train_cohort(

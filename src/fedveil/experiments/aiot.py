@@ -1,0 +1,339 @@
+"""``fedveil aiot run CONFIG``: AIoT Tables 1 and 2 (002_a446963dedd95f77.txt, Sec. 5.3-5.4) in simulation.
+
+The server pre-trains MobileFaceNet with an ArcFace head on the synthetic face population's **public**
+domain (:func:`~fedveil.experiments.faces_domain.train_faces`, Adam on a cosine schedule; the paper: 150
+epochs on MS-Celeb-1M). The **private** domain's training identities are spread over devices
+(:func:`~fedveil.data.faces.face_devices`); its held-out identities are the test set. Methods, each
+evaluated by TAR at FAR 1e-3 and 1e-4 on reference-vs-wild pairs of the held-out identities
+(:func:`~fedveil.experiments.faces_domain.verification`) and by the identification accuracy of Eq. 5
+(each wild photo's nearest reference embedding, :func:`~fedveil.protocols.projector.identify`):
+
+- ``pretrained``: the pre-trained model as it is (no trials: it does not depend on them);
+- ``ours``: the private-projector protocol (:mod:`fedveil.protocols.projector`) on the FedAvg engine, with
+  frozen BatchNorm statistics and warm-up;
+- ``centralized``: the same fine-tuning with every device's photos pooled on one "device" (one ArcFace
+  projector over all training identities) for as many example-gradients as the federated run
+  (``rounds x clients_per_round / devices`` epochs, at least one);
+- ``solo``: each of ``solo_devices`` devices fine-tunes alone for ``rounds x local_epochs`` epochs; the
+  trial's value is the mean over those devices' models;
+- ablations (Table 2): ``no_pretrain`` (the protocol from a randomly initialised network),
+  ``no_frozen_bn`` (BatchNorm statistics updated on the devices and averaged), ``no_warmup``.
+
+Each method runs ``trials`` times (the population and the pre-trained model are fixed; device
+selection, projector initialisation and batch order change with the trial's seed) and is reported as
+mean +- standard deviation, as the paper's tables are. The run resumes: the pre-trained weights
+(safetensors) and every finished (method, trial) are saved in the output folder as they complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fedveil.core.atomic import atomic_write
+from fedveil.data.faces import FaceImages, face_devices, synthetic_faces
+from fedveil.errors import ConfigError
+from fedveil.experiments.config import build_dataclass, read_yaml_mapping
+from fedveil.experiments.faces_domain import embed_faces, train_faces, verification
+from fedveil.models.faces import MobileFaceNet
+from fedveil.models.weights import load_weights, save_weights
+from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelServer
+from fedveil.protocols.local import LocalOptimizer
+from fedveil.protocols.projector import (
+    ProjectorClients,
+    ProjectorSettings,
+    backbone_flat,
+    backbone_plan,
+    identify,
+)
+from fedveil.runtime.simulation import SimulationRuntime
+
+__all__ = ["METHODS", "AiotRun", "evaluate_faces", "load_aiot_run", "run_aiot", "summarise"]
+
+METHODS = ("pretrained", "centralized", "solo", "ours", "no_pretrain", "no_frozen_bn", "no_warmup")
+
+
+@dataclass(frozen=True)
+class AiotRun:
+    """A run's settings (module docstring); ``size`` and ``width`` reduce MobileFaceNet for this machine
+    (the paper: 112 and 1) and are named in every result."""
+
+    name: str = "aiot"
+    size: int = 64
+    width: float = 0.5
+    public_identities: int = 800
+    pretrain_epochs: int = 8
+    pretrain_lr: float = 3e-3
+    pretrain_batch_size: int = 64
+    private_identities: int = 400
+    test_identities: int = 100
+    wild: int = 4
+    identities_per_device: int = 4
+    rounds: int = 20
+    local_epochs: int = 1
+    clients_per_round: int = 20
+    batch_size: int = 8
+    optimizer: str = "sgd"
+    lr: float = 0.001
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    warmup_batches: int = 5
+    trials: int = 5
+    solo_devices: int = 5
+    methods: tuple[str, ...] = METHODS
+    seed: int = 0
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("public_identities", "private_identities", "test_identities", "wild"):
+            if getattr(self, name) < 2:
+                raise ConfigError(f"{name} {getattr(self, name)} must be >= 2")
+        for name in (
+            "pretrain_epochs",
+            "rounds",
+            "local_epochs",
+            "clients_per_round",
+            "trials",
+            "solo_devices",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} {getattr(self, name)} must be >= 1")
+        if self.batch_size < 2:
+            raise ConfigError(
+                f"batch_size {self.batch_size} must be >= 2 (an ArcFace projector compares photos)"
+            )
+        unknown = sorted(set(self.methods) - set(METHODS))
+        if unknown:
+            raise ConfigError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+        LocalOptimizer(self.optimizer, self.lr, self.momentum, self.weight_decay)  # type: ignore[arg-type]
+        ProjectorSettings(warmup_batches=self.warmup_batches)
+
+    @property
+    def model_name(self) -> str:
+        """How results name the network."""
+        return f"mobilefacenet (image_size {self.size}, width {self.width})"
+
+
+def load_aiot_run(path: str | Path, overrides: dict[str, Any] | None = None) -> AiotRun:
+    """An :class:`AiotRun` from a YAML file (unknown keys refused, named), with ``overrides`` on top."""
+    return build_dataclass(AiotRun, {**read_yaml_mapping(path), **(overrides or {})})
+
+
+def evaluate_faces(model: torch.nn.Module, faces: FaceImages, reference: np.ndarray) -> dict[str, Any]:
+    """TAR at FAR 1e-3 / 1e-4 of reference-vs-wild pairs and Eq. 5's identification accuracy."""
+    row = verification(model, faces, reference)
+    e = embed_faces(model, faces.x, normalise=False)
+    predicted = identify(e[reference], faces.identity[reference], e[~reference])
+    row["identification_accuracy"] = float(np.mean(predicted == faces.identity[~reference]))
+    return row
+
+
+def _federate(
+    run: AiotRun,
+    state: dict[str, torch.Tensor] | None,
+    devices: Any,
+    *,
+    seed: int,
+    rounds: int,
+    clients_per_round: int,
+    settings: ProjectorSettings,
+    desc: str,
+    progress: bool,
+) -> MobileFaceNet:
+    """The projector protocol over ``devices`` from the pre-trained ``state`` (``None``: random)."""
+    torch.manual_seed(seed)
+    backbone = MobileFaceNet(image_size=run.size, width=run.width)
+    if state is not None:
+        backbone.load_state_dict(state)
+    flat = backbone_flat(backbone)
+    plan = backbone_plan(flat, freeze_bn=settings.freeze_bn)
+    optimizer = LocalOptimizer(run.optimizer, run.lr, run.momentum, run.weight_decay)  # type: ignore[arg-type]
+    pool = ProjectorClients(
+        backbone,
+        devices,
+        embedding_dim=backbone.embedding_dim,
+        optimizer=optimizer,
+        seed=seed,
+        settings=settings,
+    )
+    cfg = ImageFedAvgConfig(
+        clients_per_round=clients_per_round,
+        local_epochs=run.local_epochs,
+        batch_size=run.batch_size,
+        optimizer=optimizer,
+        eval_every=0,
+    )
+    runtime = SimulationRuntime(pool, rng=np.random.default_rng(seed + 1))
+    server = ModelServer(cfg, flat, np.random.default_rng(seed + 2), plan=plan, initial=flat.initial())
+    server.setup(runtime)
+
+    async def go() -> None:
+        bar = tqdm(range(1, rounds + 1), desc=desc, unit="round", disable=not progress, leave=False)
+        for rnd in bar:
+            report = await server.run_round(rnd, runtime)
+            if report.loss is not None:
+                bar.set_postfix(loss=f"{report.loss:.2f}")
+
+    asyncio.run(go())
+    flat.load_into_module(server.full_weights())
+    return backbone
+
+
+def _method(
+    method: str,
+    run: AiotRun,
+    trial: int,
+    state: dict[str, torch.Tensor],
+    train: FaceImages,
+    test: tuple[FaceImages, np.ndarray],
+    progress: bool,
+) -> dict[str, Any]:
+    """One (method, trial) of the module docstring: its scores on the held-out identities."""
+    seed = run.seed + 1000 * (trial + 1)
+    devices = face_devices(train, run.identities_per_device)
+    base = ProjectorSettings(warmup_batches=run.warmup_batches)
+    common = {"seed": seed, "progress": progress, "desc": f"{method} trial {trial + 1}"}
+    federated = {"rounds": run.rounds, "clients_per_round": run.clients_per_round}
+    if method == "ours":
+        return evaluate_faces(_federate(run, state, devices, settings=base, **federated, **common), *test)
+    if method == "no_pretrain":
+        return evaluate_faces(_federate(run, None, devices, settings=base, **federated, **common), *test)
+    if method == "no_frozen_bn":
+        settings = replace(base, freeze_bn=False)
+        return evaluate_faces(_federate(run, state, devices, settings=settings, **federated, **common), *test)
+    if method == "no_warmup":
+        settings = replace(base, warmup_batches=0)
+        return evaluate_faces(_federate(run, state, devices, settings=settings, **federated, **common), *test)
+    if method == "centralized":
+        pooled = face_devices(train, len(train.names), prefix="central")
+        taking = min(run.clients_per_round, len(devices))
+        epochs = max(1, round(run.rounds * taking / len(devices)))
+        model = _federate(run, state, pooled, settings=base, rounds=epochs, clients_per_round=1, **common)
+        return {**evaluate_faces(model, *test), "epochs": epochs}
+    if method == "solo":
+        usable = [u for u in devices.user_ids if len(np.unique(devices.array(u, "y"))) >= 2]
+        chosen = np.random.default_rng(seed).choice(
+            len(usable), min(run.solo_devices, len(usable)), replace=False
+        )
+        rows = []
+        for k in sorted(chosen):
+            alone = devices.subset([usable[k]])
+            model = _federate(
+                run, state, alone, settings=base, rounds=run.rounds, clients_per_round=1, **common
+            )
+            rows.append(evaluate_faces(model, *test))
+        keys = ("tar_at_far_1e-3", "tar_at_far_1e-4", "identification_accuracy")
+        return {
+            **{k: float(np.mean([r[k] for r in rows])) for k in keys},
+            "devices": [usable[k] for k in sorted(chosen)],
+            "per_device": rows,
+        }
+    raise ConfigError(f"method {method!r} has no trials")
+
+
+def summarise(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Mean and standard deviation (over trials, ``ddof=0``) of each method's scores."""
+    keys = ("tar_at_far_1e-3", "tar_at_far_1e-4", "identification_accuracy")
+    out: dict[str, dict[str, Any]] = {}
+    for method in METHODS:
+        rows = [v for k, v in results.items() if k.split("/")[0] == method]
+        if rows:
+            out[method] = {"trials": len(rows)}
+            for key in keys:
+                values = np.asarray([r[key] for r in rows], dtype=np.float64)
+                out[method][key] = {"mean": float(values.mean()), "std": float(values.std())}
+    return out
+
+
+def _write_json(path: Path, value: Any) -> None:
+    atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+def run_aiot(run: AiotRun, out_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
+    """Pre-train (or reuse the saved pre-training), then each method and trial not yet done; writes
+    ``results.json`` after each and returns it (module docstring)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(run.threads)
+    settings = asdict(run)
+    path = out / "results.json"
+    record: dict[str, Any] = {"run": settings, "results": {}}
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        fixed = {k: v for k, v in saved.get("run", {}).items() if k not in ("trials", "methods", "threads")}
+        mine = {
+            k: v
+            for k, v in json.loads(json.dumps(settings)).items()
+            if k not in ("trials", "methods", "threads")
+        }
+        if fixed != mine:
+            changed = sorted(k for k in set(fixed) | set(mine) if fixed.get(k) != mine.get(k))
+            raise ConfigError(
+                f"{path} was written by a run with other settings ({changed}): use another --out"
+            )
+        record["results"] = saved.get("results", {})
+    start = time.perf_counter()
+    public, _ = synthetic_faces(
+        run.public_identities, run.wild, domain="public", size=run.size, seed=run.seed
+    )
+    train, _ = synthetic_faces(
+        run.private_identities, run.wild, domain="private", size=run.size, seed=run.seed
+    )
+    test = synthetic_faces(
+        run.test_identities,
+        run.wild,
+        domain="private",
+        size=run.size,
+        seed=run.seed,
+        first_identity=run.private_identities,
+    )
+    weights = out / "pretrained.safetensors"
+    torch.manual_seed(run.seed)
+    model = MobileFaceNet(image_size=run.size, width=run.width)
+    if weights.is_file():
+        model = load_weights(model, weights)
+    else:
+        train_faces(
+            model,
+            public,
+            epochs=run.pretrain_epochs,
+            lr=run.pretrain_lr,
+            batch_size=run.pretrain_batch_size,
+            seed=run.seed,
+            desc="pre-train (public)",
+            progress=progress,
+        )
+        save_weights(model, weights)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    results = record["results"]
+    record.update(
+        data=f"{train.source}; {public.source}",
+        synthetic_data=True,
+        model=run.model_name,
+        impostor_pairs=len(test[0].names) * (len(test[0].names) - 1) * run.wild,
+        genuine_pairs=len(test[0].names) * run.wild,
+    )
+    todo = [("pretrained", 0)] if "pretrained" in run.methods else []
+    todo += [(m, t) for m in run.methods if m != "pretrained" for t in range(run.trials)]
+    for method, trial in todo:
+        key = f"{method}/{trial}"
+        if key in results:
+            continue
+        if method == "pretrained":
+            results[key] = evaluate_faces(model, *test)
+        else:
+            results[key] = _method(method, run, trial, state, train, test, progress)
+        record["summary"] = summarise(results)
+        _write_json(path, record)
+    record["seconds_this_session"] = time.perf_counter() - start
+    record["summary"] = summarise(results)
+    _write_json(path, record)
+    return record
