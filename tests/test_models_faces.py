@@ -54,7 +54,7 @@ def test_aiot_efficiency_reports_table_3(capsys) -> None:
     row = json.loads(capsys.readouterr().out)
     assert row["parameters"] == 1_200_512
     assert row["macs"] == pytest.approx(221.2e6, rel=0.01)  # the paper's counter: 233M "FLOPs"
-    assert row["flops"] == 2 * row["macs"]
+    assert row["flops"] == 2 * row["macs"] == row["madd"]
     assert 4.5e6 < row["disk_bytes"] < 5.5e6  # float32 weights and BatchNorm statistics
     assert row["train_memory_bytes"] > 4 * row["parameters"]
 

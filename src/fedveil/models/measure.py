@@ -5,7 +5,8 @@
 - :func:`efficiency`: AIoT Table 3's figures for an embedding network and its training head: parameters,
   FLOPs of one forward pass of one example (torch's own counter, ``torch.utils.flop_counter``: 2 FLOPs
   per multiply-accumulate of convolutions and matrix products; BatchNorm, activations and additions
-  are not counted), multiply-accumulates (half of that), the safetensors file of the network's weights,
+  are not counted), multiply-accumulates (half of that), ``madd`` (multiplies and adds counted apart:
+  twice the multiply-accumulates, the convention of the paper's "MAdd" column), the safetensors file of the network's weights,
   and the peak live memory of one training step on one example (parameters, gradients, activations),
   with BatchNorm's statistics frozen as the AIoT devices fine-tune (Sec. 4.1; a training-mode BatchNorm
   cannot normalise one example's 1 x 1 feature maps).
@@ -88,6 +89,7 @@ def efficiency(
         "parameters": sum(p.numel() for p in model.parameters()),
         "flops": flops,
         "macs": flops // 2,
+        "madd": 2 * (flops // 2),
         "disk_bytes": disk,
         "train_memory_bytes": resident + meter.peak,
     }
