@@ -141,24 +141,15 @@ def build_clients(
     ids = population.train_user_ids()
     attributes = {uid: dict(population.train.user(uid).attributes) for uid in ids}
     _, model = _models(cfg, len(ids))
+    common: dict[str, Any] = {
+        "attributes": attributes,
+        "seed": cfg.seed,
+        "batched": cfg.runtime.batched,
+        "input_shape": input_shape(cfg),
+    }
     if cfg.protocol == "fdml":
-        return FDMLClients(
-            population,
-            model,
-            attributes=attributes,
-            seed=cfg.seed,
-            batched=cfg.runtime.batched,
-            input_shape=input_shape(cfg),
-            sessions=sessions,
-        )
-    return FedAvgClients(
-        population,
-        model,
-        attributes=attributes,
-        seed=cfg.seed,
-        batched=cfg.runtime.batched,
-        input_shape=input_shape(cfg),
-    )
+        return FDMLClients(population, model, sessions=sessions, **common)
+    return FedAvgClients(population, model, **common)
 
 
 def build_trainer(
