@@ -77,3 +77,9 @@ def test_aiot_config_errors_name_the_setting(tmp_path: Path) -> None:
     (out / "results.json").write_text(json.dumps({"run": {"rounds": 99}, "results": {}}))
     with pytest.raises(ConfigError, match="other settings"):
         aiot.run_aiot(load_aiot_run(good), out, progress=False)
+
+
+def test_shipped_aiot_config_loads() -> None:
+    cfg = load_aiot_run(Path(__file__).parents[1] / "configs" / "aiot" / "small.yaml")
+    assert (cfg.rounds, cfg.local_epochs, cfg.lr, cfg.trials) == (20, 1, 0.001, 5)
+    assert set(cfg.methods) == set(METHODS)

@@ -10,7 +10,8 @@ import yaml
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import config_to_dict, load_config, parse_overrides
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+ROOT = Path(__file__).parents[1] / "configs"
+CONFIGS = sorted([*ROOT.glob("*.yaml"), *(ROOT / "fdml").glob("*.yaml")])
 
 
 def _write(tmp_path: Path, data: object) -> Path:
