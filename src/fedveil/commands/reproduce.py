@@ -11,7 +11,9 @@ from fedveil.experiments.reproduce import TABLES, reproduce
 
 def register(subparsers: Any) -> None:
     """Add the ``reproduce`` command."""
-    p = subparsers.add_parser("reproduce", help="reproduce a paper table (FDML Tables I-IV, TouchAuth and CameraAuth) in one command")
+    p = subparsers.add_parser(
+        "reproduce", help="reproduce a paper table (FDML Tables I-IV: TouchAuth, CameraAuth) in one command"
+    )
     p.add_argument("table", choices=sorted(TABLES), help="which table")
     p.add_argument("--configs", type=Path, default=Path("configs"), help="directory of the table configs")
     p.add_argument("--out", type=Path, default=Path("runs"), help="runs go to OUT/TABLE/<config name>/")

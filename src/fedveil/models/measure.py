@@ -6,10 +6,10 @@
   FLOPs of one forward pass of one example (torch's own counter, ``torch.utils.flop_counter``: 2 FLOPs
   per multiply-accumulate of convolutions and matrix products; BatchNorm, activations and additions
   are not counted), multiply-accumulates (half of that), ``madd`` (multiplies and adds counted apart:
-  twice the multiply-accumulates, the convention of the paper's "MAdd" column), the safetensors file of the network's weights,
-  and the peak live memory of one training step on one example (parameters, gradients, activations),
-  with BatchNorm's statistics frozen as the AIoT devices fine-tune (Sec. 4.1; a training-mode BatchNorm
-  cannot normalise one example's 1 x 1 feature maps).
+  twice the multiply-accumulates, the convention of the paper's "MAdd" column), the safetensors file of
+  the network's weights, and the peak live memory of one training step on one example (parameters,
+  gradients, activations), with BatchNorm's statistics frozen as the AIoT devices fine-tune (Sec. 4.1;
+  a training-mode BatchNorm cannot normalise one example's 1 x 1 feature maps).
 """
 
 from __future__ import annotations
