@@ -202,16 +202,16 @@ def _method(
     base = ProjectorSettings(warmup_batches=run.warmup_batches)
     common = {"seed": seed, "progress": progress, "desc": f"{method} trial {trial + 1}"}
     federated = {"rounds": run.rounds, "clients_per_round": run.clients_per_round}
-    if method == "ours":
-        return evaluate_faces(_federate(run, state, devices, settings=base, **federated, **common), *test)
-    if method == "no_pretrain":
-        return evaluate_faces(_federate(run, None, devices, settings=base, **federated, **common), *test)
-    if method == "no_frozen_bn":
-        settings = replace(base, freeze_bn=False)
-        return evaluate_faces(_federate(run, state, devices, settings=settings, **federated, **common), *test)
-    if method == "no_warmup":
-        settings = replace(base, warmup_batches=0)
-        return evaluate_faces(_federate(run, state, devices, settings=settings, **federated, **common), *test)
+    variants = {
+        "ours": (state, base),
+        "no_pretrain": (None, base),
+        "no_frozen_bn": (state, replace(base, freeze_bn=False)),
+        "no_warmup": (state, replace(base, warmup_batches=0)),
+    }
+    if method in variants:
+        start, settings = variants[method]
+        model = _federate(run, start, devices, settings=settings, **federated, **common)
+        return evaluate_faces(model, *test)
     if method == "centralized":
         pooled = face_devices(train, len(train.names), prefix="central")
         taking = min(run.clients_per_round, len(devices))
