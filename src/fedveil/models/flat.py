@@ -12,6 +12,7 @@ Integer buffers (``num_batches_tracked``) are never part of it.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -48,11 +49,16 @@ class FlatModel:
         return torch.cat([t.detach().reshape(-1) for t in self._tensors()]).numpy().astype(np.float32)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of ``flat`` (shape ``(num_params,)``) shaped as each named parameter."""
-        out = {}
-        for name, piece, shape in zip(self.names, torch.split(flat, self.sizes), self.shapes, strict=True):
-            out[name] = piece.view(shape)
-        return out
+        """Views of ``flat`` shaped as each named tensor. ``flat`` is the whole vector (``num_params``)
+        or its leading tensors only, e.g. the parameters without the buffers that follow them."""
+        count = len(self.names)
+        if flat.shape[0] != self.num_params:
+            ends = list(itertools.accumulate(self.sizes))
+            if flat.shape[0] not in ends:
+                raise ValueError(f"a vector of {flat.shape[0]} entries does not end at a tensor boundary")
+            count = ends.index(flat.shape[0]) + 1
+        pieces = torch.split(flat, self.sizes[:count])
+        return {n: t.view(s) for n, t, s in zip(self.names[:count], pieces, self.shapes[:count], strict=True)}
 
     def __call__(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The module's output on ``x`` with parameters taken from ``flat``."""

@@ -51,7 +51,7 @@ from fedveil.errors import ConfigError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import ClientData, RoundReport, as_tensor, client_rng, expect, fill_traffic
 from fedveil.protocols.common import select_group_cohort as select_cohort
-from fedveil.protocols.local import LocalOptimizer, local_train, local_train_cohort
+from fedveil.protocols.local import LocalOptimizer, epoch_batches, local_train, local_train_cohort
 from fedveil.protocols.messages import (
     FitReply,
     FitRequest,
@@ -586,13 +586,7 @@ class ModelClients:
 
     def _batches(self, cid: ClientId, m: FitRequest) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
         xt, yt = self._tensors(cid)
-        batches = []
-        for _ in range(m.local_epochs):
-            order = torch.from_numpy(self.rngs[cid].permutation(len(xt)))
-            for s in range(0, len(xt), m.batch_size):
-                idx = order[s : s + m.batch_size]
-                batches.append((xt[idx], yt[idx]))
-        return len(xt), batches
+        return len(xt), epoch_batches(xt, yt, self.rngs[cid], epochs=m.local_epochs, batch_size=m.batch_size)
 
     def _fit(self, msgs: Mapping[ClientId, FitRequest]) -> dict[ClientId, object]:
         expected = (self.plan.shared_index.size,)

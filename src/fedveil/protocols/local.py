@@ -28,12 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch.func import grad_and_value, vmap
 
 from fedveil.errors import ConfigError
 
-__all__ = ["LocalOptimizer", "local_train", "local_train_cohort"]
+__all__ = ["LocalOptimizer", "epoch_batches", "local_train", "local_train_cohort"]
 
 Loss = Callable[..., torch.Tensor]
 """``loss(params (P,), *batch) -> scalar``: the client's objective on one mini-batch."""
@@ -76,6 +77,27 @@ class LocalOptimizer:
     def lr_at(self, rnd: int) -> float:
         """The learning rate of round ``rnd`` (1, 2, ...)."""
         return self.lr / (1.0 + self.lr_decay * (rnd - 1))
+
+
+def epoch_batches(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rng: np.random.Generator,
+    *,
+    epochs: int,
+    batch_size: int,
+    min_size: int = 1,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A client's mini-batches for ``epochs`` passes over ``(x, y)``, reshuffled by ``rng`` every epoch,
+    in batches of ``batch_size`` (the last one may be smaller; batches under ``min_size`` are dropped)."""
+    batches = []
+    for _ in range(epochs):
+        order = torch.from_numpy(rng.permutation(len(x)))
+        for s in range(0, len(x), batch_size):
+            idx = order[s : s + batch_size]
+            if len(idx) >= min_size:
+                batches.append((x[idx], y[idx]))
+    return batches
 
 
 def _step(

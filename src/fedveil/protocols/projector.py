@@ -50,7 +50,7 @@ from fedveil.models.faces import ArcFace
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import as_tensor, client_rng
 from fedveil.protocols.fedavg import ParameterPlan
-from fedveil.protocols.local import LocalOptimizer, local_train
+from fedveil.protocols.local import LocalOptimizer, epoch_batches, local_train
 from fedveil.protocols.messages import FitReply, FitRequest
 
 __all__ = [
@@ -144,9 +144,7 @@ class ProjectorClients:
         self.settings = settings or ProjectorSettings()
         self.optimizer = optimizer
         self.data = data
-        self.num_weights = self.flat.num_params - sum(
-            self.flat.sizes[self.flat.names.index(n)] for n in self.flat.buffer_names
-        )
+        self.num_weights = sum(p.numel() for p in backbone.parameters())
         self.excluded: dict[ClientId, str] = {}
         self.projectors: dict[ClientId, ArcFace] = {}
         self.rngs: dict[ClientId, np.random.Generator] = {}
@@ -211,30 +209,19 @@ class ProjectorClients:
         received = as_tensor(m.weights)
         buffers = {n: t for n, t in flat.unflatten(received.clone()).items() if n in flat.buffer_names}
         projector = self.projectors[cid]
-        shapes = dict(zip(flat.names, flat.shapes, strict=True))
-        shapes.update((n, t.shape) for n, t in projector.named_parameters())
-        names = flat.names[: len(flat.names) - len(flat.buffer_names)]
-        p_names = [n for n, _ in projector.named_parameters()]
-        sizes = flat.sizes[: len(names)] + [t.numel() for t in projector.parameters()]
-        p0 = torch.cat(
-            [received[: self.num_weights], *(t.detach().reshape(-1) for t in projector.parameters())]
-        )
+        head_flat = FlatModel(projector)
+        p0 = torch.cat([received[: self.num_weights], torch.from_numpy(head_flat.initial())])
 
         def objective(p: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            views = [t.view(shapes[n]) for n, t in zip(names + p_names, torch.split(p, sizes), strict=True)]
-            params = dict(zip(names, views[: len(names)], strict=True))
-            alpha = functional_call(self.backbone, {**params, **buffers}, (x,))
-            head = dict(zip(p_names, views[len(names) :], strict=True))
+            views = flat.unflatten(p[: self.num_weights])
+            alpha = functional_call(self.backbone, {**views, **buffers}, (x,))
+            head = head_flat.unflatten(p[self.num_weights :])
             return nn.functional.cross_entropy(functional_call(projector, head, (alpha, y)), y)
 
         xt, yt = self._tensors(cid)
-        batches = []
-        for _ in range(m.local_epochs):
-            order = torch.from_numpy(self.rngs[cid].permutation(len(xt)))
-            for s in range(0, len(xt), m.batch_size):
-                idx = order[s : s + m.batch_size]
-                if len(idx) >= 2:
-                    batches.append((xt[idx], yt[idx]))
+        batches = epoch_batches(
+            xt, yt, self.rngs[cid], epochs=m.local_epochs, batch_size=m.batch_size, min_size=2
+        )
         rates = warmup_rates(m.lr, self.batches_done[cid], len(batches), settings.warmup_batches)
         self.backbone.train()
         if settings.freeze_bn:
@@ -243,10 +230,7 @@ class ProjectorClients:
         p, loss = local_train(objective, p0, batches, self.optimizer, rates, eager=not settings.freeze_bn)
         self.batches_done[cid] += len(batches)
         weights = p.detach()[: self.num_weights]
-        with torch.no_grad():
-            pieces = torch.split(p.detach()[self.num_weights :], sizes[len(names) :])
-            for t, piece in zip(projector.parameters(), pieces, strict=True):
-                t.copy_(piece.view(t.shape))
+        head_flat.load_into_module(p.detach()[self.num_weights :].numpy())
         upload = [weights]
         if not settings.freeze_bn:
             upload += [buffers[n].reshape(-1) for n in flat.buffer_names]
