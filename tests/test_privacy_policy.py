@@ -20,6 +20,7 @@ from fedveil.privacy.policy import (
     PolicySyntaxError,
     advance,
     allows,
+    budget_of,
     command,
     derivative,
     inter,
@@ -79,7 +80,13 @@ def test_argument_matching_rules() -> None:
     budget = parse("enforce_dp_budget(eps=1)").cmd
     assert budget is not None
     assert matches(budget, c("enforce_dp_budget", eps=1.0))
-    assert not matches(budget, c("enforce_dp_budget", eps=0.5))
+    assert matches(budget, c("enforce_dp_budget", eps=0.5)), "a tighter budget also enforces eps=1"
+    assert not matches(budget, c("enforce_dp_budget", eps=2))
+    assert not matches(budget, c("enforce_dp_budget", epsilon=0.5)), "only the budget keyword is a bound"
+    both = parse("check_privacy_budget(max_eps=2) . return & check_privacy_budget(max_eps=5) . return")
+    assert allows(both, [c("check_privacy_budget", max_eps=2), c("return")])
+    assert not allows(both, [c("check_privacy_budget", max_eps=3), c("return")])
+    assert budget_of(both) == 2.0 and budget_of(parse("get_data . runFL . return")) is None
     anyget = parse("get_data").cmd
     assert anyget is not None and matches(anyget, c("get_data", data_type="reddit"))
 

@@ -94,3 +94,22 @@ def test_bench_policy(capsys: pytest.CaptureFixture[str]) -> None:
     row = json.loads(capsys.readouterr().out)
     assert row["advance_microseconds_median"] > 0 and row["sandbox_run_milliseconds_median"] > 0
     assert main(["bench", "policy", "--repeats", "0"]) == 2
+
+
+def test_a_program_cannot_forge_a_pair_or_an_array_in_its_result() -> None:
+    """Results travel tagged: a dict or list shaped like the encoding of a pair comes back as plain data."""
+    forged = (
+        "def main(p):\n"
+        "    return [{'__pair__': '1', 'value': 1}, ['pair', '1', ['value', 1]], {'pair': '1'}]\n"
+    )
+    out = run_program(compile_program(forged), "main", _pair())
+    assert out == [{"__pair__": "1", "value": 1}, ["pair", "1", ["value", 1]], {"pair": "1"}]
+    assert not any(isinstance(v, DataPolicyPair) for v in out)
+
+
+def test_arrays_come_back_exactly() -> None:
+    program = compile_program("def main(p):\n    return get_data(p)\n")
+    out = run_program(program, "main", _pair(), library={"get_data": lambda p: p})
+    assert isinstance(out, DataPolicyPair)
+    value = out._value()
+    assert value.dtype == np.float64 and value.tolist() == [SECRET, 1.0]

@@ -12,8 +12,14 @@ Precedence, loosest first: ``+``, ``&``, ``.``, prefix ``!``, postfix ``*``. :fu
 the policy command gives must be present in the call with an equal value (numbers compare as numbers,
 ``1 == 1.0``; a list compares as the set of its elements, so ``sensors=['mic','loc']`` equals
 ``sensors=['loc','mic']``); keywords the policy does not mention are unconstrained (``get_data`` allows
-``get_data(data_type='reddit')``). No ordering is implied: ``enforce_dp_budget(eps=1)`` allows exactly
-``eps=1``, not ``eps=0.5``; a policy that allows several values lists them as a union.
+``get_data(data_type='reddit')``). One ordering is implied, for privacy budgets only
+(:data:`BUDGET_KEYWORDS`): the ``eps`` / ``max_eps`` of ``enforce_dp_budget``, ``enforce_privacy_budget``
+and ``check_privacy_budget`` is an upper bound, so a call enforcing a budget at most the policy's
+matches (``enforce_dp_budget(eps=1)`` allows ``eps=1`` and ``eps=0.5``, not ``eps=2``): enforcing a
+smaller epsilon also enforces the larger one. This is what lets a model trained on two groups with
+budgets 1 and 2 be released under both policies (their intersection accepts ``max_eps=1``; PoliFL
+Table 4's combined strategy), where equality would leave the intersection empty. Every other value
+must be equal; a policy that allows several values lists them as a union.
 
 **E** (Fig. 9): ``E(0) = E(C) = false``, ``E(1) = E(P*) = true``, ``E(P1 . P2) = E(P1 & P2) = E(P1) and
 E(P2)``, ``E(P1 + P2) = E(P1) or E(P2)``, ``E(!P) = not E(P)``. **D** (Fig. 10): ``D(0, c) = D(1, c) = 0``,
@@ -43,6 +49,7 @@ from fedveil.errors import ConfigError
 
 __all__ = [
     "ANY",
+    "BUDGET_KEYWORDS",
     "ONE",
     "ZERO",
     "Call",
@@ -50,6 +57,7 @@ __all__ = [
     "PolicySyntaxError",
     "advance",
     "allows",
+    "budget_of",
     "command",
     "derivative",
     "inter",
@@ -206,12 +214,38 @@ def nullable(p: Policy) -> bool:
     return not nullable(p.parts[0])
 
 
+BUDGET_KEYWORDS: dict[str, str] = {
+    "enforce_dp_budget": "eps",
+    "enforce_privacy_budget": "max_eps",
+    "check_privacy_budget": "max_eps",
+}
+"""The budget commands and their upper-bound keyword (module docstring)."""
+
+
+def _equal_or_within(name: str, key: str, bound: Value, given: Value) -> bool:
+    if BUDGET_KEYWORDS.get(name) == key and isinstance(bound, float) and isinstance(given, float):
+        return given <= bound
+    return given == bound
+
+
 def matches(policy_cmd: Call, call: Call) -> bool:
     """Whether ``call`` is allowed by the policy command ``policy_cmd`` (module docstring)."""
     if policy_cmd.name != call.name:
         return False
     given = dict(call.args)
-    return all(k in given and given[k] == v for k, v in policy_cmd.args)
+    return all(k in given and _equal_or_within(call.name, k, v, given[k]) for k, v in policy_cmd.args)
+
+
+def budget_of(p: Policy) -> float | None:
+    """The smallest privacy budget any budget command of ``p`` names (:data:`BUDGET_KEYWORDS`), or
+    ``None`` when ``p`` names none: the epsilon a group's data may spend."""
+    if p.kind == "cmd":
+        assert p.cmd is not None
+        key = BUDGET_KEYWORDS.get(p.cmd.name)
+        value = dict(p.cmd.args).get(key) if key else None
+        return value if isinstance(value, float) else None
+    found = [b for q in p.parts if (b := budget_of(q)) is not None]
+    return min(found) if found else None
 
 
 @cache

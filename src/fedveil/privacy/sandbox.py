@@ -19,8 +19,8 @@ create). ``getattr``, ``setattr``, ``exec``, ``eval``, ``compile``, ``open``, ``
 ``vars``, ``dir`` and ``globals`` are simply not there. A pair's value has no public attribute. The
 program runs in a **forked child process** under ``RLIMIT_AS`` (memory) and ``RLIMIT_CPU`` plus a wall-clock
 limit, so a huge allocation or an endless loop ends that child, not the service; its result comes back
-as JSON-safe data (numbers, strings, lists, dicts, and pairs as their policy text and a numpy array or
-JSON value), never pickle.
+as tagged JSON (numbers, strings, lists, dicts, numeric arrays as base64 bytes, and pairs as their policy
+text and value; a value a program builds can never be read back as a pair), never pickle.
 
 **What it cannot stop.** Timing and resource side channels (how long a trusted call takes, how much
 memory it uses), covert channels through the result's shape or through which commands it calls, and
@@ -29,6 +29,7 @@ bugs in the trusted library or in RestrictedPython itself: the library functions
 
 from __future__ import annotations
 
+import base64
 import builtins
 import json
 import multiprocessing
@@ -104,36 +105,51 @@ def compile_program(source: str, name: str = "program") -> Program:
 
 
 def _encode(value: Any) -> Any:
-    """The child's result as JSON-safe data (module docstring)."""
+    """The child's result as tagged JSON-safe data: every value is a ``[tag, ...]`` list, so no value a
+    program builds (a dict with a key ``"pair"``, say) can be read back as a pair or an array."""
     if isinstance(value, DataPolicyPair):
-        return {"__pair__": show(value.policy), "value": _encode(value._value())}
+        return ["pair", show(value.policy), _encode(value._value())]
     if isinstance(value, Policy):
-        return {"__policy__": show(value)}
+        return ["policy", show(value)]
     if isinstance(value, np.ndarray):
-        return {"__array__": value.tolist(), "dtype": str(value.dtype)}
+        if value.dtype.kind not in "biuf":
+            raise TypeError(f"a program may return numeric arrays only, not dtype {value.dtype}")
+        data = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<"), copy=False)
+        return [
+            "array",
+            value.dtype.newbyteorder("<").str,
+            list(value.shape),
+            base64.b64encode(data.tobytes()).decode(),
+        ]
     if isinstance(value, (list, tuple)):
-        return [_encode(v) for v in value]
+        return ["list", [_encode(v) for v in value]]
     if isinstance(value, dict):
-        return {str(k): _encode(v) for k, v in value.items()}
+        return ["dict", [[str(k), _encode(v)] for k, v in value.items()]]
     if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+        return ["value", value]
     raise TypeError(
         f"a program may return numbers, strings, lists, dicts, arrays and pairs, not {type(value).__name__}"
     )
 
 
 def _decode(value: Any) -> Any:
-    if isinstance(value, dict) and "__pair__" in value:
-        return DataPolicyPair(_decode(value["value"]), parse(value["__pair__"]))
-    if isinstance(value, dict) and "__policy__" in value:
-        return parse(value["__policy__"])
-    if isinstance(value, dict) and "__array__" in value:
-        return np.asarray(value["__array__"], dtype=np.dtype(value["dtype"]))
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _decode(v) for k, v in value.items()}
-    return value
+    tag = value[0]
+    if tag == "pair":
+        return DataPolicyPair(_decode(value[2]), parse(value[1]))
+    if tag == "policy":
+        return parse(value[1])
+    if tag == "array":
+        dtype, shape = np.dtype(value[1]), tuple(int(n) for n in value[2])
+        return (
+            np.frombuffer(base64.b64decode(value[3]), dtype=dtype)
+            .reshape(shape)
+            .astype(dtype.newbyteorder("="))
+        )
+    if tag == "list":
+        return [_decode(v) for v in value[1]]
+    if tag == "dict":
+        return {k: _decode(v) for k, v in value[1]}
+    return value[1]
 
 
 def _child(
