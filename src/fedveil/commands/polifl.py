@@ -1,6 +1,6 @@
 """``fedveil polifl``: PoliFL's policy-compliant federated learning (003_d27972a5478cff69.txt).
 
-- ``fedveil polifl run CONFIG [--out DIR] [--strategies S,...] [--json]``: the compliance strategies of
+- ``fedveil polifl run CONFIG [--out DIR] [--strategies S,...] [--rounds R] [--json]``: the compliance strategies of
   Sec. 6 (cascaded, combined, single group) with per-group DP and policy enforcement on devices and
   server (:func:`fedveil.experiments.polifl.run_polifl`); prints each strategy's final metric, each
   group's epsilon and whether its model was released; resumable in its output folder.
@@ -24,6 +24,7 @@ def register(subparsers: Any) -> None:
     r.add_argument("config", type=Path, help="YAML settings, e.g. configs/polifl/small.yaml")
     r.add_argument("--out", type=Path, help="output folder (default runs/<name>); a rerun resumes there")
     r.add_argument("--strategies", help="comma-separated strategies (default: the config's)")
+    r.add_argument("--rounds", type=int, help="rounds per group stage (default: the config's)")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
     t = actions.add_parser("table4", help="Table 4: privacy spent per group, two readings vs the paper")
     t.add_argument("--json", action="store_true", help="print JSON")
@@ -37,7 +38,7 @@ def _fmt(eps: float) -> str:
 def _run(args: argparse.Namespace) -> int:
     from fedveil.experiments.polifl import load_polifl_run, run_polifl
 
-    cfg = load_polifl_run(args.config)
+    cfg = load_polifl_run(args.config, {"rounds": args.rounds} if args.rounds is not None else None)
     strategies = (
         tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if args.strategies else None
     )

@@ -3,7 +3,8 @@ Sec. 6, Fig. 6-7, Tables 4-5) in simulation.
 
 A config names the task (``images``: a zoo classifier on real Fashion-MNIST when installed, split over
 clients by a Dirichlet prior; ``mpu``: the engagement LSTM on the **synthetic** MPU population of
-:mod:`fedveil.data.mpu`), the groups (their policy as the paper writes it, the device commands the
+:mod:`fedveil.data.mpu`; ``text``: next-word prediction with a 2-layer LSTM on Debian's license texts,
+:mod:`fedveil.data.text`), the groups (their policy as the paper writes it, the device commands the
 third-party program runs before ``runFL``, the DP noise ``sigma`` and the share of users), and the
 strategies to compare: ``cascaded``, ``combined`` and ``single:GROUP``. Each strategy trains from the same
 initial model on the same clients (:mod:`fedveil.protocols.polifl`), evaluates the model on the server
@@ -58,7 +59,7 @@ from fedveil.runtime.simulation import SimulationRuntime
 
 __all__ = ["GroupSpec", "PolifLRun", "Task", "build_task", "load_polifl_run", "run_polifl"]
 
-TASKS = ("images", "mpu")
+TASKS = ("images", "mpu", "text")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ class PolifLRun:
     237 in the paper), ``samples_per_client`` examples each (``images``), ``hidden`` LSTM units
     (``mpu``; the paper: 500), FedAvg with ``clients_per_round``, local SGD, ``server_lr`` (Eq. 1's
     ``eta``), DP with ``clip_norm`` ``S`` in ``dp_mode`` ``central`` or ``local`` (Alg. 3), accounted at
-    ``delta`` by ``accounting`` (``pld`` or ``rdp``); ``rounds`` per group stage (``combined`` trains
+    ``delta`` by ``accounting`` (``pld`` or ``rdp``); ``vocab`` words (``text``; ``hidden`` is then the
+    embedding and LSTM width, 200 in the paper); ``rounds`` per group stage (``combined`` trains
     ``rounds x groups``); ``stop_at_budget`` shortens a stage to the rounds every group's budget allows."""
 
     name: str = "polifl"
@@ -99,6 +101,7 @@ class PolifLRun:
     test_samples: int = 2000
     model: str = "lenet"
     hidden: int = 64
+    vocab: int = 2000
     clients_per_round: int = 10
     local_epochs: int = 1
     batch_size: int = 32
@@ -267,9 +270,42 @@ def _mpu(run: PolifLRun) -> Task:
     )
 
 
+def _text(run: PolifLRun) -> Task:
+    from fedveil.data.text import text_users
+    from fedveil.models.behaviour import NextWordLSTM, sequence_loss
+
+    users, _, source = text_users(run.clients, vocab=run.vocab, seed=run.seed)
+    ids = list(users)
+    values = {c: {"x": u["x"], "y": u["y"]} for c, u in users.items()}
+    test_x = torch.from_numpy(np.concatenate([u["test_x"] for u in users.values()]))
+    test_y = torch.from_numpy(np.concatenate([u["test_y"] for u in users.values()]))
+    torch.manual_seed(run.seed)
+    flat = FlatModel(NextWordLSTM(run.vocab, embedding=run.hidden, hidden=run.hidden))
+
+    def evaluate(weights: np.ndarray) -> float:
+        model = flat.load_into_module(weights).eval()
+        with torch.no_grad():
+            hits = sum(
+                int((model(test_x[i : i + 64]).argmax(-1) == test_y[i : i + 64]).sum())
+                for i in range(0, len(test_x), 64)
+            )
+        return hits / test_y.numel()
+
+    return Task(
+        flat,
+        values,
+        _assign(ids, run),
+        sequence_loss,
+        False,
+        "accuracy",
+        evaluate,
+        f"next word on {source}: {len(ids)} users, vocabulary {run.vocab}, 2-layer LSTM {run.hidden} units",
+    )
+
+
 def build_task(run: PolifLRun) -> Task:
     """The run's use case (module docstring)."""
-    return _images(run) if run.task == "images" else _mpu(run)
+    return {"images": _images, "mpu": _mpu, "text": _text}[run.task](run)
 
 
 # --- one strategy ---------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["EngagementNet", "binary_logit_loss"]
+__all__ = ["EngagementNet", "NextWordLSTM", "binary_logit_loss", "sequence_loss"]
 
 
 class EngagementNet(nn.Module):
@@ -32,3 +32,26 @@ class EngagementNet(nn.Module):
 def binary_logit_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Binary cross-entropy of logits against 0/1 labels (any dtype)."""
     return nn.functional.binary_cross_entropy_with_logits(logits, y.to(logits.dtype))
+
+
+class NextWordLSTM(nn.Module):
+    """PoliFL Sec. 6.1's word model (the PyTorch word-language-model example): an embedding, a 2-layer
+    LSTM of ``hidden`` units and a linear decoder over the vocabulary; ``(B, T)`` token ids (any dtype)
+    -> ``(B, T, vocab)`` logits of each next token."""
+
+    def __init__(self, vocab: int, *, embedding: int = 200, hidden: int = 200, layers: int = 2) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, embedding)
+        self.lstm = nn.LSTM(embedding, hidden, num_layers=layers, batch_first=True)
+        self.decode = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Next-token logits at every position."""
+        seq, _ = self.lstm(self.embed(x.long()))
+        return self.decode(seq)
+
+
+def sequence_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position of ``(B, T, V)`` logits against ``(B, T)`` targets."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1).long())
