@@ -31,6 +31,7 @@ def register(subparsers: Any) -> None:
     _add_ppfl(benches)
     _add_mobilefacenet(benches)
     _add_policy(benches)
+    _add_polifl(benches)
     _add_dlg(benches)
     parser.set_defaults(func=run)
 
@@ -405,8 +406,36 @@ def _run_policy(args: argparse.Namespace) -> int:
     print(
         f"policy advance {row['advance_microseconds_median']:.1f} us; sandbox compile "
         f"{row['sandbox_compile_milliseconds']:.1f} ms, run {row['sandbox_run_milliseconds_median']:.1f} ms "
-        f"against {row['direct_call_microseconds_median']:.1f} us called directly"
+        f"against {row['direct_call_microseconds_median']:.1f} us called directly; trusted filter "
+        f"{row['library_filter_microseconds_median']:.1f} us against "
+        f"{row['direct_filter_microseconds_median']:.1f} us for the zeroing alone"
     )
+    return 0
+
+
+def _add_polifl(sub: Any) -> None:
+    p = sub.add_parser("polifl", help="PoliFL use cases: client updates/s, policy-enforcing vs plain devices")
+    p.add_argument("--repeats", type=int, default=3, help="timed cohorts per path; the median (default 3)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(bench_func=_run_polifl)
+
+
+def _run_polifl(args: argparse.Namespace) -> int:
+    from fedveil.experiments.bench_polifl import bench_polifl
+
+    _require_positive(args, "repeats", "threads")
+    rows = bench_polifl(repeats=args.repeats, threads=args.threads)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        print(
+            f"{r['use_case']:<7} {r['model_parameters']:>9,} parameters, "
+            f"{r['examples_per_client']:.0f} examples: "
+            f"{r['client_updates_per_second']:.2f} updates/s enforcing policies, "
+            f"{r['plain_client_updates_per_second']:.2f} plain ({100 * r['enforcement_overhead']:+.1f}%)"
+        )
     return 0
 
 

@@ -1,9 +1,9 @@
 """``fedveil polifl``: PoliFL's policy-compliant federated learning (003_d27972a5478cff69.txt).
 
-- ``fedveil polifl run CONFIG [--out DIR] [--strategies S,...] [--rounds R] [--json]``: the compliance strategies of
-  Sec. 6 (cascaded, combined, single group) with per-group DP and policy enforcement on devices and
-  server (:func:`fedveil.experiments.polifl.run_polifl`); prints each strategy's final metric, each
-  group's epsilon and whether its model was released; resumable in its output folder.
+- ``fedveil polifl run CONFIG [--out DIR] [--strategies S,...] [--rounds R] [--json]``: the compliance
+  strategies of Sec. 6 (cascaded, combined, single group) with per-group DP and policy enforcement on
+  devices and server (:func:`fedveil.experiments.polifl.run_polifl`); prints each strategy's final
+  metric, each group's epsilon and whether its model was released; resumable in its output folder.
 - ``fedveil polifl table4 [--json]``: Table 4 recomputed under two readings of its columns beside the
   paper's figures (:func:`fedveil.experiments.polifl_table4.table4`).
 """
