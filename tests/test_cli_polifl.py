@@ -114,7 +114,7 @@ def test_a_crashed_run_resumes_to_the_same_model(tmp_path: Path, monkeypatch: py
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"strategies": ["mixed"]}, "use cascaded, combined or single:GROUP"),
+        ({"strategies": ["mixed"]}, "use cascaded, combined, single:GROUP or program"),
         ({"strategies": ["single:nobody"]}, "names no group"),
         ({"task": "speech"}, "task 'speech' is not one of"),
         ({"groups": []}, "at least one group"),
@@ -147,3 +147,37 @@ def test_bench_polifl_measures_both_paths(tmp_path: Path, monkeypatch: pytest.Mo
     (row,) = bench_polifl.bench_polifl(repeats=1, root=tmp_path, threads=1)
     assert row["use_case"] == "mpu" and row["clients"] == 3
     assert row["client_updates_per_second"] > 0 and row["plain_client_updates_per_second"] > 0
+
+
+GLOBAL = """
+program: |
+  def main(model, groups, rounds):
+      names = [g["name"] for g in groups]
+      trained = run_fl(model, names, rounds)
+      try:
+          peek = trained.value
+      except Exception as e:
+          pass
+      checked = check_privacy_budget(trained, max_eps=20)
+      try:
+          check_privacy_budget(trained, max_eps=0.001)
+      except Exception as e:
+          refused = str(e)
+      return release(checked) if "has spent epsilon" in refused else model
+"""
+
+
+def test_a_third_party_global_program_runs_in_the_sandbox(tmp_path: Path) -> None:
+    text = TINY.replace('strategies: [cascaded, combined, "single:loose"]', "strategies: [program]") + GLOBAL
+    cfg = load_polifl_run(_config(tmp_path, text))
+    results = polifl.run_polifl(cfg, tmp_path / "run", progress=False)
+    run = results["strategies"]["program"]
+    assert run["released"] and run["rounds"] == 3
+    assert run["privacy"]["strict"]["epsilon"] == run["privacy"]["loose"]["epsilon"] > 0
+    escape = text.replace('names = [g["name"] for g in groups]', "names = model.ref")
+    cfg = load_polifl_run(_config(tmp_path, escape))
+    results = polifl.run_polifl(cfg, tmp_path / "run2", progress=False)
+    assert not results["strategies"]["program"]["released"]
+    assert "no attribute 'ref'" in results["strategies"]["program"]["stopped"]
+    with pytest.raises(ConfigError, match="needs the job's global program"):
+        load_polifl_run(_config(tmp_path), {"strategies": ["program"]})

@@ -113,3 +113,60 @@ def test_arrays_come_back_exactly() -> None:
     assert isinstance(out, DataPolicyPair)
     value = out._value()
     assert value.dtype == np.float64 and value.tolist() == [SECRET, 1.0]
+
+
+def test_host_functions_keep_pairs_with_the_host() -> None:
+    """With host functions the program holds handles: it sees policies, never values, and the host's
+    pairs come back as themselves."""
+    held = _pair()
+    seen: list[object] = []
+
+    def advance(pair: DataPolicyPair) -> DataPolicyPair:
+        seen.append(pair)
+        return apply("get_data", [pair], lambda v: v + 1, side=Side.DEVICE)
+
+    program = compile_program("def main(p):\n    q = advance(p)\n    return [q, q.policy]\n")
+    out, policy = run_program(program, "main", held, host={"advance": advance})
+    assert seen == [held] and isinstance(out, DataPolicyPair)
+    assert out._value().tolist() == [SECRET + 1, 2.0] and show(policy) == "runFL . return"
+    for peek in ("p.ref", "p.value", "advance(p).ref"):
+        with pytest.raises(SandboxError, match="no attribute"):
+            run_program(
+                compile_program(f"def main(p):\n    return {peek}\n"), "main", held, host={"advance": advance}
+            )
+    printed = run_program(
+        compile_program("def main(p):\n    return repr(p)\n"), "main", held, host={"advance": advance}
+    )
+    assert str(SECRET)[:6] not in printed and "held by the host" in printed
+
+
+def test_host_errors_reach_the_program_and_host_time_is_not_program_time() -> None:
+    import time as clock
+
+    from fedveil.privacy.pairs import PolicyViolation
+
+    def refuse(pair: DataPolicyPair) -> None:
+        raise PolicyViolation("budget exceeded for group g")
+
+    def slow(pair: DataPolicyPair) -> int:
+        clock.sleep(1.2)
+        return 1
+
+    catch = "def main(p):\n    try:\n        refuse(p)\n    except Exception as e:\n        return str(e)\n"
+    assert run_program(compile_program(catch), "main", _pair(), host={"refuse": refuse}) == (
+        "refuse: budget exceeded for group g"
+    )
+    with pytest.raises(SandboxError, match="HostError: refuse: budget exceeded"):
+        run_program(
+            compile_program("def main(p):\n    refuse(p)\n"), "main", _pair(), host={"refuse": refuse}
+        )
+    assert (
+        run_program(
+            compile_program("def main(p):\n    return slow(p)\n"),
+            "main",
+            _pair(),
+            host={"slow": slow},
+            time_limit=1.0,
+        )
+        == 1
+    )

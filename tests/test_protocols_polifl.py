@@ -30,10 +30,10 @@ from fedveil.protocols.polifl import (
     filter_sensors,
     get_data,
     in_geofence_cond,
-    plan_stages,
     prepare_pair,
     release_model,
     run_stage,
+    stage_of,
     start_pair,
     train_local,
 )
@@ -133,17 +133,16 @@ def test_local_noise_shares_sum_to_sigma() -> None:
     assert float(torch.stack(shares).sum(0).std()) == pytest.approx(sigma, rel=0.03)
 
 
-def test_plan_stages() -> None:
+def test_stage_of_takes_the_strictest_noise() -> None:
     a = PolicyGroup("a", parse(ALL), ("get_data",), 0.01, ("u1",))
     b = PolicyGroup("b", parse(NOMIC), ("get_data",), 0.02, ("u2",))
-    cascaded = plan_stages([a, b], "cascaded", 5)
-    assert [s.name for s in cascaded] == ["b", "a"] and [s.noise_std for s in cascaded] == [0.02, 0.01]
-    (combined,) = plan_stages([a, b], "combined", 5)
-    assert combined.rounds == 10 and combined.noise_std == 0.02 and combined.members == ["u1", "u2"]
-    (single,) = plan_stages([a, b], "single", 5, single="a")
-    assert single.name == "a"
-    with pytest.raises(ConfigError, match="no group named 'z'"):
-        plan_stages([a, b], "single", 5, single="z")
+    stage = stage_of([a, b], 10)
+    assert stage.name == "a+b" and stage.noise_std == 0.02 and stage.members == ["u1", "u2"]
+    c = PolicyGroup("c", parse(ALL), ("get_data",), None, ("u3",))
+    with pytest.raises(ConfigError, match="DP noise for every group or for none"):
+        stage_of([a, c], 10)
+    with pytest.raises(ConfigError, match="rounds 0"):
+        stage_of([a], 0)
 
 
 def _setup(commands: tuple[str, ...], raw_mic: float | None = None, program: str = "") -> tuple:
@@ -173,7 +172,7 @@ def _stage(
     program: str = "",
 ):
     devices, runtime, server, group, flat = _setup(commands, raw_mic, program)
-    (stage,) = plan_stages([group], "single", 3, single="nomic")
+    stage = stage_of([group], 3)
     ledger = GroupLedger(["nomic"], delta=1e-5)
     result = asyncio.run(
         run_stage(

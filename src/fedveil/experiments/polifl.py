@@ -42,17 +42,18 @@ from fedveil.experiments.plots import plot_series
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.groups import GroupLedger, noise_multiplier
 from fedveil.privacy.pairs import DataPolicyPair, PolicyViolation
-from fedveil.privacy.policy import parse
+from fedveil.privacy.policy import parse, show
+from fedveil.privacy.sandbox import SandboxError, compile_program, run_program
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelServer
 from fedveil.protocols.local import LocalOptimizer
 from fedveil.protocols.polifl import (
     PolicyDevices,
     PolicyGroup,
-    Stage,
-    plan_stages,
+    enforce_budget,
     prepare_pair,
     release_model,
     run_stage,
+    stage_of,
     start_pair,
 )
 from fedveil.runtime.simulation import SimulationRuntime
@@ -115,6 +116,8 @@ class PolifLRun:
     strategies: tuple[str, ...] = ("cascaded", "combined")
     rounds: int = 20
     stop_at_budget: bool = False
+    program: str = ""
+    program_time_limit: float = 60.0
     eval_every: int = 5
     seed: int = 0
     threads: int = 2
@@ -131,8 +134,10 @@ class PolifLRun:
             raise ConfigError(f"group fractions {[g.fraction for g in self.groups]} add up to more than 1")
         for s in self.strategies:
             kind, _, group = s.partition(":")
-            if kind not in ("single", "combined", "cascaded") or (kind == "single") != bool(group):
-                raise ConfigError(f"strategy {s!r}: use cascaded, combined or single:GROUP")
+            if kind not in ("single", "combined", "cascaded", "program") or (kind == "single") != bool(group):
+                raise ConfigError(f"strategy {s!r}: use cascaded, combined, single:GROUP or program")
+            if kind == "program" and not self.program:
+                raise ConfigError("strategy 'program' needs the job's global program as program: <source>")
             if group and group not in names:
                 raise ConfigError(f"strategy {s!r} names no group of this run ({', '.join(names)})")
         for name in ("clients", "samples_per_client", "clients_per_round", "rounds", "hidden"):
@@ -308,19 +313,46 @@ def build_task(run: PolifLRun) -> Task:
     return {"images": _images, "mpu": _mpu, "text": _text}[run.task](run)
 
 
-# --- one strategy ---------------------------------------------------------------------------------------
+# --- one strategy: a global program in the sandbox, the server's functions as its host ------------------
+
+STRATEGY_PROGRAMS = {
+    "cascaded": """
+def main(model, groups, rounds):
+    def strictness(g):
+        budget = g["budget"] if g["budget"] is not None else 1e300
+        noise = g["noise"] if g["noise"] is not None else 0.0
+        return [budget, -noise, g["index"]]
+
+    for g in sorted(groups, key=strictness):
+        model = release(run_fl(model, [g["name"]], rounds))
+    return model
+""",
+    "combined": """
+def main(model, groups, rounds):
+    names = [g["name"] for g in groups]
+    return release(run_fl(model, names, rounds * len(names)))
+""",
+    "single": """
+def main(model, groups, rounds):
+    return release(run_fl(model, [groups[0]["name"]], rounds))
+""",
+}
+"""The compliance strategies as global programs (Sec. 6): ``cascaded`` trains the most restrictive group
+first (smallest budget, then largest noise, then config order) and releases each stage's model before the
+next fine-tunes it; ``combined`` trains everyone for ``rounds x groups`` rounds; ``single`` one group."""
 
 
 @dataclass
 class _State:
-    stage: int = 0
+    calls: list[dict[str, Any]] = field(default_factory=list)
     round: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     stages: list[dict[str, Any]] = field(default_factory=list)
     ledger: dict[str, Any] | None = None
-    stopped: str | None = None
-    done: bool = False
     selection: dict[str, Any] | None = None
+    stopped: str | None = None
+    released: bool = False
+    done: bool = False
 
 
 def _groups(run: PolifLRun, task: Task) -> list[PolicyGroup]:
@@ -332,98 +364,149 @@ def _groups(run: PolifLRun, task: Task) -> list[PolicyGroup]:
     ]
 
 
-def _stages(run: PolifLRun, strategy: str, groups: list[PolicyGroup]) -> list[Stage]:
-    kind, _, single = strategy.partition(":")
-    return plan_stages(groups, kind, run.rounds, single=single or None)
+class _Host:
+    """The server's side of a job (the functions a global program calls, :func:`run_program`'s ``host``):
+    ``run_fl``, ``release``, the three budget commands and ``epsilon``. Every call is logged with its
+    outcome in ``state.json`` (``run_fl``'s model in ``call<i>.npz``), so a rerun replays finished calls
+    instead of training again and the program, being deterministic, continues where it stopped."""
 
+    def __init__(self, run: PolifLRun, task: Task, strategy: str, folder: Path, progress: bool) -> None:
+        self.run, self.task, self.strategy, self.folder, self.progress = run, task, strategy, folder, progress
+        self.state_path = folder / "state.json"
+        self.state = (
+            _State(**json.loads(self.state_path.read_text())) if self.state_path.exists() else _State()
+        )
+        self.groups = {g.name: g for g in _groups(run, task)}
+        self.ledger = GroupLedger(list(self.groups), delta=run.delta, method=run.accounting)
+        if self.state.ledger is not None:
+            self.ledger.restore(self.state.ledger)
+        group_of = {c: g for g in self.groups.values() for c in g.members}
+        pairs = {c: DataPolicyPair(v, group_of[c].policy) for c, v in task.values.items() if c in group_of}
+        self.optimizer = LocalOptimizer("sgd", run.lr)
+        devices = PolicyDevices(
+            task.flat, pairs, optimizer=self.optimizer, seed=run.seed, loss=task.loss, batched=task.batched
+        )
+        self.runtime = SimulationRuntime(devices, rng=np.random.default_rng(run.seed + 1))
+        cfg = ImageFedAvgConfig(
+            clients_per_round=run.clients_per_round,
+            local_epochs=run.local_epochs,
+            batch_size=run.batch_size,
+            optimizer=self.optimizer,
+            server_lr=run.server_lr,
+            eval_every=0,
+        )
+        self.initial = task.flat.initial()
+        self.server = ModelServer(cfg, task.flat, np.random.default_rng(run.seed + 2), initial=self.initial)
+        if self.state.selection is not None:
+            self.server.engine.rng.bit_generator.state = self.state.selection
+        self.contributors: dict[int, frozenset[str]] = {}
+        self.released: set[int] = set()
+        self.calls = 0
+        if not self.state.history:
+            self.state.history.append({"round": 0, "stage": "", task.metric: task.evaluate(self.initial)})
 
-def run_strategy(
-    run: PolifLRun, task: Task, strategy: str, out: Path, *, progress: bool = True
-) -> dict[str, Any]:
-    """Run (or resume) one strategy; return its summary (module docstring)."""
-    folder = out / strategy.replace(":", "_")
-    folder.mkdir(parents=True, exist_ok=True)
-    state_path, weights_path = folder / "state.json", folder / "weights.npz"
-    state = _State(**json.loads(state_path.read_text())) if state_path.exists() else _State()
-    groups = _groups(run, task)
-    stages = _stages(run, strategy, groups)
-    ledger = GroupLedger([g.name for g in groups], delta=run.delta, method=run.accounting)
-    if state.ledger is not None:
-        ledger.restore(state.ledger)
-    initial = task.flat.initial()
-    weights = initial
-    if weights_path.exists():
+    def functions(self) -> dict[str, Any]:
+        """The host functions by the names programs call them."""
+        return {
+            "run_fl": self.run_fl,
+            "release": self.release,
+            "check_privacy_budget": lambda m, max_eps: self.budget(m, "check_privacy_budget", max_eps),
+            "enforce_privacy_budget": lambda m, max_eps: self.budget(m, "enforce_privacy_budget", max_eps),
+            "enforce_dp_budget": lambda m, eps: self.budget(m, "enforce_dp_budget", eps),
+            "epsilon": lambda name: self.ledger.epsilon(self.groups[name].name),
+        }
+
+    def _save(self) -> None:
+        self.state.ledger = self.ledger.state()
+        self.state.selection = self.server.engine.rng.bit_generator.state
+        atomic_write(self.state_path, json.dumps(asdict(self.state), indent=1, default=_json).encode())
+
+    def _logged(self, kind: str) -> dict[str, Any] | None:
+        i = self.calls
+        self.calls += 1
+        if i < len(self.state.calls):
+            entry = self.state.calls[i]
+            if entry["kind"] != kind:
+                raise ConfigError(
+                    f"resumed program called {kind} where the log has {entry['kind']}: rerun afresh"
+                )
+            return entry
+        return None
+
+    def _spent(self, model: DataPolicyPair) -> dict[str, float]:
+        return {g: self.ledger.epsilon(g) for g in sorted(self.contributors.get(id(model), frozenset()))}
+
+    def run_fl(self, model: DataPolicyPair, names: list[str], rounds: int) -> DataPolicyPair:
+        """Train the named groups together for ``rounds`` from ``model`` (one ``runFL`` stage)."""
+        unknown = sorted(set(names) - set(self.groups))
+        if unknown or not names:
+            raise ConfigError(
+                f"run_fl names groups {unknown or names} this job does not have ({', '.join(self.groups)})"
+            )
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ConfigError(f"run_fl rounds {rounds!r} must be an integer >= 1")
+        entry = self._logged("run_fl")
+        index = self.calls - 1
+        weights_path = self.folder / f"call{index}.npz"
+        if entry is None:
+            entry = self._train(model, [self.groups[n] for n in names], rounds)
+            atomic_write(weights_path, _npz(self.server.weights))
+            self.state.calls.append(entry)
+            self._save()
         with np.load(weights_path, allow_pickle=False) as z:
-            weights = np.asarray(z["weights"], dtype=np.float32)
-    group_of = {c: g for g in groups for c in g.members}
-    pairs = {c: DataPolicyPair(v, group_of[c].policy) for c, v in task.values.items() if c in group_of}
-    optimizer = LocalOptimizer("sgd", run.lr)
-    devices = PolicyDevices(
-        task.flat, pairs, optimizer=optimizer, seed=run.seed, loss=task.loss, batched=task.batched
-    )
-    runtime = SimulationRuntime(devices, rng=np.random.default_rng(run.seed + 1))
-    cfg = ImageFedAvgConfig(
-        clients_per_round=run.clients_per_round,
-        local_epochs=run.local_epochs,
-        batch_size=run.batch_size,
-        optimizer=optimizer,
-        server_lr=run.server_lr,
-        eval_every=0,
-    )
-    server = ModelServer(cfg, task.flat, np.random.default_rng(run.seed + 2), initial=initial)
-    if state.selection is not None:
-        server.engine.rng.bit_generator.state = state.selection
-    if not state.history:
-        state.history.append({"round": 0, "stage": "", task.metric: task.evaluate(initial)})
-    while not state.done and state.stage < len(stages):
-        stage = stages[state.stage]
-        row: dict[str, Any] = {"stage": stage.name, "groups": [g.name for g in stage.groups]}
+            out = DataPolicyPair(np.asarray(z["weights"], dtype=np.float32), parse(entry["policy"]))
+        self.contributors[id(out)] = self.contributors.get(id(model), frozenset()) | frozenset(names)
+        return out
+
+    def _train(self, model: DataPolicyPair, groups: list[PolicyGroup], rounds: int) -> dict[str, Any]:
+        run, task = self.run, self.task
+        stage = stage_of(groups, rounds)
+        row: dict[str, Any] = {"stage": stage.name, "groups": [g.name for g in groups]}
         row.update({"noise_std": stage.noise_std, "rounds_planned": stage.rounds})
         if run.stop_at_budget and stage.noise_std is not None:
-            members = sum(len(g.members) for g in stage.groups)
             z = noise_multiplier(stage.noise_std, run.clip_norm)
-            q = min(1.0, run.clients_per_round / members)
+            q = min(1.0, run.clients_per_round / len(stage.members))
             allowed = [
-                ledger.affordable_rounds(g.name, z=z, q=q, budget=g.budget, limit=stage.rounds)
-                for g in stage.groups
+                self.ledger.affordable_rounds(g.name, z=z, q=q, budget=g.budget, limit=stage.rounds)
+                for g in groups
                 if g.budget is not None
             ]
             if allowed and min(allowed) < stage.rounds:
+                if min(allowed) < 1:
+                    raise PolicyViolation(f"stage {stage.name}: the groups' budgets allow no further round")
                 stage = replace(stage, rounds=min(allowed))
                 row["stopped_by_budget"] = True
         row["rounds"] = stage.rounds
-        if stage.rounds < 1:
-            state.stopped = f"stage {stage.name}: the budget allows no round"
-            row["released"] = False
-            state.stages.append(row)
-            break
-        bar = tqdm(total=stage.rounds, desc=f"{strategy} {stage.name}", disable=not progress, leave=False)
-        base = state.round
+        bar = tqdm(
+            total=stage.rounds, desc=f"{self.strategy} {stage.name}", disable=not self.progress, leave=False
+        )
+        base = self.state.round
 
-        def on_round(rnd: int, report: Any, base: int = base, stage: Stage = stage, bar: Any = bar) -> None:
+        def on_round(rnd: int, report: Any) -> None:
             bar.update(1)
             line: dict[str, Any] = {"round": base + rnd, "stage": stage.name, "loss": report.loss}
             if rnd % run.eval_every == 0 or rnd == stage.rounds:
-                line[task.metric] = task.evaluate(server.weights)
+                line[task.metric] = task.evaluate(self.server.weights)
                 bar.set_postfix({task.metric: f"{line[task.metric]:.3f}"})
-            state.history.append(line)
+            self.state.history.append(line)
 
         started = time.perf_counter()
         result = asyncio.run(
             run_stage(
                 stage,
-                job=f"{run.name}/{strategy}/{stage.name}",
-                model=start_pair(weights),
-                server=server,
-                comm=runtime,
-                ledger=ledger,
+                job=f"{run.name}/{self.strategy}/{stage.name}",
+                model=model,
+                server=self.server,
+                comm=self.runtime,
+                ledger=self.ledger,
                 clip_norm=run.clip_norm,
                 dp_mode=run.dp_mode,
-                rng=np.random.default_rng(run.seed + 100 + state.stage),
+                rng=np.random.default_rng(run.seed + 100 + len(self.state.stages)),
                 on_round=on_round,
             )
         )
         bar.close()
+        self.state.round += stage.rounds
         row.update(
             {
                 "seconds": time.perf_counter() - started,
@@ -431,39 +514,106 @@ def run_strategy(
                 "q": result.q,
                 "refused_devices": len(result.refused),
                 "refusal_example": next(iter(result.refused.values()), None),
+                "epsilon": {g.name: self.ledger.epsilon(g.name) for g in groups},
             }
         )
-        state.round += stage.rounds
-        spent = {g.name: ledger.epsilon(g.name) for g in stage.groups}
-        row["epsilon"] = spent
+        self.state.stages.append(row)
+        return {"kind": "run_fl", "policy": show(result.model.policy)}
+
+    def release(self, model: DataPolicyPair) -> DataPolicyPair:
+        """``return`` after the budget commands the model's policy requires; the released model is the
+        application's (a pair with no user policy: DP's post-processing)."""
+        entry = self._logged("release")
+        if entry is None:
+            try:
+                _, commands = release_model(model, self._spent(model))
+                entry = {"kind": "release", "ok": True, "commands": commands}
+            except PolicyViolation as exc:
+                entry = {"kind": "release", "ok": False, "message": str(exc)}
+            if self.state.stages:
+                self.state.stages[-1].update(
+                    {"released": entry["ok"], "release_commands": entry.get("commands")}
+                    if entry["ok"]
+                    else {"released": False, "refusal": entry["message"]}
+                )
+            self.state.calls.append(entry)
+            self._save()
+        if not entry["ok"]:
+            raise PolicyViolation(entry["message"])
+        out = start_pair(model._value())
+        self.released.add(id(out))
+        return out
+
+    def budget(self, model: DataPolicyPair, command: str, bound: float) -> DataPolicyPair:
+        """A budget command on ``model`` against its contributing groups' epsilon."""
+        entry = self._logged(command)
+        if entry is None:
+            try:
+                enforce_budget(model, command, float(bound), self._spent(model))
+                entry = {"kind": command, "ok": True}
+            except PolicyViolation as exc:
+                entry = {"kind": command, "ok": False, "message": str(exc)}
+            self.state.calls.append(entry)
+            self._save()
+        if not entry["ok"]:
+            raise PolicyViolation(entry["message"])
+        out = enforce_budget(model, command, float(bound), {})
+        self.contributors[id(out)] = self.contributors.get(id(model), frozenset())
+        return out
+
+
+def run_strategy(
+    run: PolifLRun, task: Task, strategy: str, out: Path, *, progress: bool = True
+) -> dict[str, Any]:
+    """Run (or resume) one strategy's global program in the sandbox; return its summary (module
+    docstring)."""
+    folder = out / strategy.replace(":", "_")
+    folder.mkdir(parents=True, exist_ok=True)
+    host = _Host(run, task, strategy, folder, progress)
+    kind, _, single = strategy.partition(":")
+    source = run.program if kind == "program" else STRATEGY_PROGRAMS[kind]
+    info = [
+        {
+            "name": g.name,
+            "budget": host.groups[g.name].budget,
+            "noise": g.noise,
+            "users": len(task.members[g.name]),
+            "index": i,
+        }
+        for i, g in enumerate(run.groups)
+        if not single or g.name == single
+    ]
+    if not host.state.done:
         try:
-            released, commands = release_model(result.model, spent)
-            row.update({"released": True, "release_commands": commands})
-            weights = np.asarray(released, dtype=np.float32)
-        except PolicyViolation as exc:
-            row.update({"released": False, "refusal": str(exc)})
-            state.stopped = str(exc)
-            state.done = True
-            weights = server.weights
-        state.stages.append(row)
-        state.stage += 1
-        state.ledger = ledger.state()
-        state.selection = server.engine.rng.bit_generator.state
-        buf = _npz(weights)
-        atomic_write(weights_path, buf)
-        atomic_write(state_path, json.dumps(asdict(state), indent=1).encode())
-    state.done = True
-    atomic_write(state_path, json.dumps(asdict(state), indent=1).encode())
+            final = run_program(
+                compile_program(source, f"{run.name}/{strategy}"),
+                "main",
+                start_pair(host.initial),
+                info,
+                run.rounds,
+                host=host.functions(),
+                time_limit=run.program_time_limit,
+            )
+            host.state.released = isinstance(final, DataPolicyPair) and id(final) in host.released
+            if host.state.released:
+                atomic_write(folder / "weights.npz", _npz(final._value()))
+            else:
+                host.state.stopped = "the program returned no released model"
+        except SandboxError as exc:
+            host.state.stopped = str(exc)
+        host.state.done = True
+        host._save()
+    state = host.state
     evaluated = [h for h in state.history if task.metric in h]
     return {
         "strategy": strategy,
         "stages": state.stages,
-        "released": bool(state.stages) and all(s.get("released") for s in state.stages),
+        "released": state.released,
         "stopped": state.stopped,
         "rounds": state.round,
         "final": evaluated[-1][task.metric] if evaluated else None,
         "best": max(h[task.metric] for h in evaluated) if evaluated else None,
-        "privacy": ledger.report(),
+        "privacy": host.ledger.report(),
         "history": state.history,
     }
 

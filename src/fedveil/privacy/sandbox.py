@@ -22,6 +22,11 @@ limit, so a huge allocation or an endless loop ends that child, not the service;
 as tagged JSON (numbers, strings, lists, dicts, numeric arrays as base64 bytes, and pairs as their policy
 text and value; a value a program builds can never be read back as a pair), never pickle.
 
+**Host functions.** A job's global program runs on the server but must not hold the server's pairs:
+with ``host=`` the named functions run in the caller's process, the program calls them through the pipe,
+and every pair stays with the caller; the program holds a :class:`Handle` (an opaque reference and the
+policy) and passes it back. A handle the program was never given is refused.
+
 **What it cannot stop.** Timing and resource side channels (how long a trusted call takes, how much
 memory it uses), covert channels through the result's shape or through which commands it calls, and
 bugs in the trusted library or in RestrictedPython itself: the library functions are the trusted base.
@@ -36,6 +41,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +55,15 @@ from fedveil.errors import FedveilError
 from fedveil.privacy.pairs import DataPolicyPair
 from fedveil.privacy.policy import Policy, parse, show
 
-__all__ = ["BUILTINS", "Program", "SandboxError", "compile_program", "run_program"]
+__all__ = ["BUILTINS", "Handle", "HostError", "Program", "SandboxError", "compile_program", "run_program"]
 
 
 class SandboxError(FedveilError):
     """A program the sandbox refused to compile or stopped while it ran."""
+
+
+class HostError(FedveilError):
+    """A host function refused a program's call (its message says why)."""
 
 
 _SAFE_NAMES = (
@@ -78,10 +88,24 @@ _INTROSPECTION = {
 }  # fmt: skip
 
 
+class Handle:
+    """What a program holds of a pair that stays with its host (:func:`run_program`'s ``host``): an
+    opaque reference and the pair's policy, never its value."""
+
+    __slots__ = ("policy", "ref")
+
+    def __init__(self, ref: int, policy: Policy) -> None:
+        self.ref = ref
+        self.policy = policy
+
+    def __repr__(self) -> str:
+        return f"Handle(<held by the host>, policy={show(self.policy)!r})"
+
+
 def _guarded_getattr(obj: Any, name: str, default: Any = None) -> Any:
     if name.startswith("_") or name in _INTROSPECTION or name.startswith("co_"):
         raise SandboxError(f"attribute {name!r} is not available to programs")
-    if isinstance(obj, DataPolicyPair) and name != "policy":
+    if isinstance(obj, (DataPolicyPair, Handle)) and name != "policy":
         raise SandboxError(f"a data-policy pair has no attribute {name!r} for programs")
     return getattr(obj, name)
 
@@ -104,9 +128,16 @@ def compile_program(source: str, name: str = "program") -> Program:
     return Program(name, result.code)
 
 
-def _encode(value: Any) -> Any:
-    """The child's result as tagged JSON-safe data: every value is a ``[tag, ...]`` list, so no value a
-    program builds (a dict with a key ``"pair"``, say) can be read back as a pair or an array."""
+def _encode(value: Any, table: dict[int, DataPolicyPair] | None = None) -> Any:
+    """A value as tagged JSON-safe data: every value is a ``[tag, ...]`` list, so no value a program
+    builds (a dict with a key ``"pair"``, say) can be read back as a pair or an array. With ``table``
+    (the host's side) a pair is registered there and travels as a handle, without its value."""
+    if isinstance(value, Handle):
+        return ["handle", value.ref, show(value.policy)]
+    if isinstance(value, DataPolicyPair) and table is not None:
+        ref = len(table)
+        table[ref] = value
+        return ["handle", ref, show(value.policy)]
     if isinstance(value, DataPolicyPair):
         return ["pair", show(value.policy), _encode(value._value())]
     if isinstance(value, Policy):
@@ -122,9 +153,9 @@ def _encode(value: Any) -> Any:
             base64.b64encode(data.tobytes()).decode(),
         ]
     if isinstance(value, (list, tuple)):
-        return ["list", [_encode(v) for v in value]]
+        return ["list", [_encode(v, table) for v in value]]
     if isinstance(value, dict):
-        return ["dict", [[str(k), _encode(v)] for k, v in value.items()]]
+        return ["dict", [[str(k), _encode(v, table)] for k, v in value.items()]]
     if value is None or isinstance(value, (bool, int, float, str)):
         return ["value", value]
     raise TypeError(
@@ -132,8 +163,16 @@ def _encode(value: Any) -> Any:
     )
 
 
-def _decode(value: Any) -> Any:
+def _decode(value: Any, table: dict[int, DataPolicyPair] | None = None) -> Any:
+    """The inverse of :func:`_encode`; a handle becomes the host's pair (with ``table``) or a
+    :class:`Handle` (in the child)."""
     tag = value[0]
+    if tag == "handle":
+        if table is None:
+            return Handle(int(value[1]), parse(value[2]))
+        if value[1] not in table:
+            raise SandboxError(f"a program returned a handle the host never gave it ({value[1]!r})")
+        return table[value[1]]
     if tag == "pair":
         return DataPolicyPair(_decode(value[2]), parse(value[1]))
     if tag == "policy":
@@ -146,9 +185,9 @@ def _decode(value: Any) -> Any:
             .astype(dtype.newbyteorder("="))
         )
     if tag == "list":
-        return [_decode(v) for v in value[1]]
+        return [_decode(v, table) for v in value[1]]
     if tag == "dict":
-        return {k: _decode(v) for k, v in value[1]}
+        return {k: _decode(v, table) for k, v in value[1]}
     return value[1]
 
 
@@ -157,10 +196,23 @@ def _child(
     entry: str,
     args: tuple[Any, ...],
     library: Mapping[str, Callable[..., Any]],
+    host: tuple[str, ...],
     memory: int,
     cpu: int,
     conn: Any,
 ) -> None:
+    def proxy(name: str) -> Callable[..., Any]:
+        def call(*a: Any, **kw: Any) -> Any:
+            conn.send_bytes(
+                json.dumps({"call": name, "args": _encode(list(a)), "kwargs": _encode(kw)}).encode()
+            )
+            reply = json.loads(conn.recv_bytes().decode())
+            if "error" in reply:
+                raise HostError(f"{name}: {reply['message']}" if reply["message"] else f"{name} failed")
+            return _decode(reply["ok"])
+
+        return call
+
     try:
         with open("/proc/self/statm", encoding="ascii") as statm:  # the forked image's address space
             used = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -176,6 +228,7 @@ def _child(
             "_unpack_sequence_": guarded_unpack_sequence,
             "__name__": program.name,
             **library,
+            **{name: proxy(name) for name in host},
         }
         exec(program.code, scope)
         fn = scope.get(entry)
@@ -201,26 +254,48 @@ def run_program(
     entry: str,
     *args: Any,
     library: Mapping[str, Callable[..., Any]] | None = None,
+    host: Mapping[str, Callable[..., Any]] | None = None,
     time_limit: float = 10.0,
     memory_limit: int = 1 << 30,
 ) -> Any:
     """Call ``entry(*args)`` of ``program`` in a forked child under the limits (module docstring:
     ``memory_limit`` bytes of address space beyond what the forked image already maps, ``time_limit``
-    seconds) and return its result; a refused operation, an exception of the program's own or an
-    exceeded limit is a :class:`SandboxError` naming it (an exception's message is passed on only when
-    fedveil wrote it)."""
+    seconds of the program's own running) and return its result; a refused operation, an exception of
+    the program's own or an exceeded limit is a :class:`SandboxError` naming it (an exception's message
+    is passed on only when fedveil wrote it).
+
+    ``library`` functions run in the child. ``host`` functions run here, in the caller's process: the
+    program calls them through the pipe, and every pair among ``args`` and among a host function's
+    results stays here, the program holding a :class:`Handle` (its policy, never its value). Time spent
+    in host functions does not count against ``time_limit``. A host function's
+    :class:`~fedveil.errors.FedveilError` reaches the program as a :class:`HostError` with its message;
+    any other exception is the host's own failure: the child is stopped and the exception raised here."""
     context = multiprocessing.get_context("fork")
-    parent, child = context.Pipe(duplex=False)
+    parent, child = context.Pipe(duplex=True)
     cpu = max(1, int(time_limit + 0.999))
+    table: dict[int, DataPolicyPair] | None = {} if host else None
+    if table is not None:
+        args = tuple(_decode(_encode(a, table)) for a in args)
+    names = tuple(host or ())
     proc = context.Process(
-        target=_child, args=(program, entry, args, dict(library or {}), memory_limit, cpu, child), daemon=True
+        target=_child,
+        args=(program, entry, args, dict(library or {}), names, memory_limit, cpu, child),
+        daemon=True,
     )
     proc.start()
     child.close()
+    waited = 0.0
     try:
-        if not parent.poll(time_limit):
-            raise SandboxError(f"program {program.name} ran past its time limit of {time_limit} s")
-        reply = json.loads(parent.recv_bytes(64 << 20).decode())
+        while True:
+            start = time.monotonic()
+            ready = parent.poll(max(0.0, time_limit - waited))
+            waited += time.monotonic() - start
+            if not ready:
+                raise SandboxError(f"program {program.name} ran past its time limit of {time_limit} s")
+            reply = json.loads(parent.recv_bytes(64 << 20).decode())
+            if "call" not in reply:
+                break
+            parent.send_bytes(json.dumps(_serve(host or {}, reply, table)).encode())
     except EOFError:
         raise SandboxError(
             f"program {program.name} was stopped (exit code {proc.exitcode}): a limit was exceeded"
@@ -233,4 +308,17 @@ def run_program(
     if "error" in reply:
         detail = f": {reply['message']}" if reply.get("message") else ""
         raise SandboxError(f"program {program.name} failed with {reply['error']}{detail}")
-    return _decode(reply["ok"])
+    return _decode(reply["ok"], table)
+
+
+def _serve(host: Mapping[str, Callable[..., Any]], request: dict[str, Any], table: Any) -> dict[str, Any]:
+    """Run one host call for the program (:func:`run_program`)."""
+    name = request.get("call")
+    if name not in host:
+        return {"error": "NameError", "message": f"no host function {name!r}"}
+    try:
+        args = _decode(request["args"], table)
+        kwargs = _decode(request["kwargs"], table)
+        return {"ok": _encode(host[name](*args, **kwargs), table)}
+    except FedveilError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)[:500]}

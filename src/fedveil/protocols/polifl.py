@@ -28,11 +28,12 @@ the number of updates (Eq. 1, with the engine's ``server_lr`` as ``eta``). When 
 server advances the model's pair by ``runFL`` together with the stage groups' policies
 (:func:`run_fl`), so the model carries ``P_1 & P_2 & ...`` (Sec. 3.3).
 
-**Strategies** (Sec. 6, :func:`plan_stages`): ``single`` (one group, its noise), ``combined`` (all groups
-in one population at the strictest group's noise, for ``rounds x groups`` rounds) and ``cascaded`` (one
-stage per group, most restrictive first, each at its own noise; each stage's model is released under its
-policies before the next stage fine-tunes it: DP's post-processing, so a group's epsilon counts its own
-stage only). Per-group accounting is :class:`~fedveil.privacy.groups.GroupLedger`.
+**Strategies** (Sec. 6) are global programs (:data:`fedveil.experiments.polifl.STRATEGY_PROGRAMS`) that
+call the server's functions: ``single`` (one group, its noise), ``combined`` (all groups in one stage at
+the strictest group's noise, :func:`stage_of`) and ``cascaded`` (one stage per group, most restrictive
+first, each at its own noise; each stage's model is released under its policies before the next stage
+fine-tunes it: DP's post-processing, so a group's epsilon counts its own stage only). Per-group
+accounting is :class:`~fedveil.privacy.groups.GroupLedger`.
 """
 
 from __future__ import annotations
@@ -87,7 +88,6 @@ __all__ = [
     "filter_sensors",
     "get_data",
     "in_geofence_cond",
-    "plan_stages",
     "prepare_pair",
     "release",
     "release_model",
@@ -100,7 +100,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DP_MODES = ("central", "local")
-STRATEGIES = ("single", "combined", "cascaded")
 DEVICE_COMMANDS = ("get_data", "filter", "in_geofence_cond")
 """The commands a job may ask a device to run before ``runFL`` (:class:`JobStart`)."""
 
@@ -403,36 +402,19 @@ class Stage:
         return [c for g in self.groups for c in g.members]
 
 
-def _strictness(g: PolicyGroup) -> tuple[float, float]:
-    budget = g.budget if g.budget is not None else math.inf
-    return (budget, -(g.noise_std or 0.0))
-
-
-def plan_stages(
-    groups: Sequence[PolicyGroup], strategy: str, rounds: int, *, single: str | None = None
-) -> list[Stage]:
-    """The stages of a compliance strategy (module docstring). ``rounds`` is one group's stage length;
-    ``combined`` trains ``rounds * len(groups)`` rounds on everyone at the strictest noise (the largest
-    ``sigma``; refused when some groups use DP and others do not); ``cascaded`` orders the groups from
-    the most restrictive (smallest budget, then largest noise) to the least."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-    if rounds < 1:
-        raise ConfigError(f"rounds {rounds!r} must be >= 1")
-    if strategy == "single":
-        chosen = [g for g in groups if g.name == single]
-        if not chosen:
-            raise ConfigError(
-                f"single strategy: no group named {single!r} ({', '.join(g.name for g in groups)})"
-            )
-        return [Stage((chosen[0],), rounds, chosen[0].noise_std)]
-    if strategy == "combined":
-        noises = {g.noise_std is None for g in groups}
-        if len(noises) > 1:
-            raise ConfigError("combined training needs every group with DP noise or none without")
-        noise = None if True in noises else max(g.noise_std or 0.0 for g in groups)
-        return [Stage(tuple(groups), rounds * len(groups), noise)]
-    return [Stage((g,), rounds, g.noise_std) for g in sorted(groups, key=_strictness)]
+def stage_of(groups: Sequence[PolicyGroup], rounds: int) -> Stage:
+    """One ``runFL`` stage of ``groups`` for ``rounds``, at the strictest noise among them (the largest
+    ``sigma``: every group's policy must hold for the combined model; Table 4's combined row), refused
+    when some groups use DP and others do not."""
+    if not groups:
+        raise ConfigError("a stage needs at least one group")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"rounds {rounds!r} must be an integer >= 1")
+    noises = {g.noise_std is None for g in groups}
+    if len(noises) > 1:
+        raise ConfigError("groups trained together need DP noise for every group or for none")
+    noise = None if True in noises else max(g.noise_std or 0.0 for g in groups)
+    return Stage(tuple(groups), rounds, noise)
 
 
 class DPAggregate:
