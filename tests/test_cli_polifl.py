@@ -59,6 +59,8 @@ def test_strategies_report_per_group_epsilon(tmp_path: Path, capsys: pytest.Capt
     combined = results["strategies"]["combined"]
     assert combined["privacy"]["strict"]["epsilon"] == combined["privacy"]["loose"]["epsilon"]
     assert combined["stages"][0]["noise_std"] == 2.0 and combined["rounds"] == 6
+    starts = {s: r["history"][0] for s, r in results["strategies"].items()}
+    assert len({json.dumps(h, sort_keys=True) for h in starts.values()}) == 1, "every strategy starts afresh"
     single = results["strategies"]["single:loose"]
     assert single["privacy"]["strict"]["rounds"] == 0 and single["rounds"] == 3
     assert (out / "curves.png").stat().st_size > 0

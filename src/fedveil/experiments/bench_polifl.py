@@ -67,7 +67,7 @@ def bench_polifl(*, repeats: int = 3, root: str | Path = ".", threads: int = 2) 
             loss=task.loss,
             batched=task.batched,
         )
-        request = FitRequest(1, run.lr, run.local_epochs, run.batch_size, task.flat.initial())
+        request = FitRequest(1, run.lr, run.local_epochs, run.batch_size, task.initial)
         msgs = {c: request for c in cohort}
         policy_s = _timed(devices, msgs, repeats)
         plain_s = _timed(plain, msgs, repeats)

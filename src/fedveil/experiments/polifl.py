@@ -159,7 +159,9 @@ def load_polifl_run(path: str | Path, overrides: dict[str, Any] | None = None) -
 @dataclass
 class Task:
     """A use case built for a run: the model, each client's data (``values``), the groups' members,
-    the loss, whether the cohort trains batched, the metric's name and the evaluation of weights."""
+    the loss, whether the cohort trains batched, the metric's name and the evaluation of weights.
+    ``initial`` is the model's initial vector, taken when the task is built: every strategy starts
+    from it (evaluating loads other weights into the module)."""
 
     flat: FlatModel
     values: dict[str, dict[str, Any]]
@@ -169,6 +171,10 @@ class Task:
     metric: str
     evaluate: Callable[[np.ndarray], float]
     description: str = ""
+    initial: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.initial = self.flat.initial().copy()
 
 
 def _assign(ids: list[str], run: PolifLRun) -> dict[str, list[str]]:
@@ -395,7 +401,7 @@ class _Host:
             server_lr=run.server_lr,
             eval_every=0,
         )
-        self.initial = task.flat.initial()
+        self.initial = task.initial
         self.server = ModelServer(cfg, task.flat, np.random.default_rng(run.seed + 2), initial=self.initial)
         if self.state.selection is not None:
             self.server.engine.rng.bit_generator.state = self.state.selection

@@ -82,6 +82,7 @@ __all__ = [
     "PolicyDevices",
     "PolicyGroup",
     "Stage",
+    "StageResult",
     "accumulate",
     "average",
     "enforce_budget",
@@ -93,6 +94,8 @@ __all__ = [
     "release_model",
     "run_fl",
     "run_stage",
+    "stage_of",
+    "start_pair",
     "train_local",
     "train_local_dp",
 ]
@@ -353,7 +356,8 @@ def prepare_pair(
 @dataclass(frozen=True)
 class PolicyGroup:
     """A group of users with one policy (Table 3): its ``name``, ``policy``, the device ``commands`` a
-    compliant program runs before ``runFL``, the ``noise_std`` ``sigma`` its policy's DP needs (``None``:
+    compliant program runs before ``runFL`` (or a device ``program``, RestrictedPython source defining
+    ``prepare(data)``, which replaces them), the ``noise_std`` ``sigma`` its policy's DP needs (``None``:
     no DP) and its ``members``."""
 
     name: str
