@@ -70,7 +70,7 @@ from fedveil.privacy.policy import (
 )
 from fedveil.privacy.sandbox import Program, SandboxError, compile_program, run_program
 from fedveil.protocols.common import RoundReport
-from fedveil.protocols.fedavg import ClipAndNoise, FitResult, ModelClients, ModelServer
+from fedveil.protocols.fedavg import ClipAndNoise, FitResult, ModelClients, ModelServer, fedavg_aggregate
 from fedveil.protocols.local import LocalOptimizer
 
 __all__ = [
@@ -436,10 +436,7 @@ class DPAggregate:
     def __call__(self, rnd: int, results: Mapping[ClientId, FitResult], current: np.ndarray) -> np.ndarray:
         """The new shared parameters."""
         if self.clip_norm is None:
-            weights = {c: r.weights for c, r in results.items()}
-            counts = np.array([r.num_samples for r in results.values()], dtype=np.float64)
-            stacked = np.stack([np.asarray(w, dtype=np.float64) for w in weights.values()])
-            return (counts @ stacked / counts.sum()).astype(np.float32)
+            return fedavg_aggregate(rnd, results, current)
         total = np.zeros(current.shape, dtype=np.float64)
         for r in results.values():
             assert r.weights is not None
