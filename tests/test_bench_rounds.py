@@ -88,3 +88,30 @@ def test_bench_codec_json(capsys) -> None:
     row = json.loads(capsys.readouterr().out)
     assert row["elements"] == 1000 and row["wire_bytes"] == 4000 + row["overhead_bytes"]
     assert row["round_trip_seconds"] > 0
+
+
+def test_flops_of_a_vmapped_network_are_counted_on_the_one_by_one_path(capsys) -> None:
+    """CameraAuth's ResNet-34 has no written-out backward: its round's FLOPs are the cohort's forward
+    plus each device's forward and backward, counted directly (vmap's grouped convolutions over-count)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fedveil.models.faces import ResNet34Embedding
+
+    args = [
+        "bench", "rounds", "--rounds", "1", "--repeats", "1", "--threads", "1",
+        "--set", "data.kind=cameraauth-synthetic", "--set", "data.train_people=8",
+        "--set", "data.test_people=21", "--set", "data.train_photos=6", "--set", "data.test_photos=40",
+        "--set", "data.image_size=32", "--set", "model.width=0.25",
+        "--set", "fdml.num_required=4", "--set", "fdml.samples_per_client=4", "--json",
+    ]  # fmt: skip
+    assert main(args) == 0
+    row = json.loads(capsys.readouterr().out)
+    model = ResNet34Embedding(width=0.25, norm="group")
+    x = torch.randn(4, 3, 32, 32)
+    with FlopCounterMode(display=False) as forward:
+        model(x)
+    with FlopCounterMode(display=False) as both:
+        model(x).sum().backward()
+    expected = 4 * (forward.get_total_flops() + both.get_total_flops())
+    assert row["device_flops_per_round"] == expected

@@ -174,12 +174,21 @@ async def _profile_rounds(trainer: Any, first: int, rounds: int) -> dict[str, fl
 
 async def _count_device_flops(trainer: Any, rnd: int) -> float:
     """FLOPs of the devices' work in round ``rnd`` (matmuls and convolutions, as torch's
-    ``FlopCounterMode`` counts them), over every call of the client pool in that round."""
+    ``FlopCounterMode`` counts them), over every call of the client pool in that round.
+
+    A model without a written-out backward (no ``trace``, e.g. CameraAuth's ResNet-34) is counted on the
+    pool's one-by-one path, which computes the same numbers (``tests/test_protocols_fdml.py``): under
+    ``vmap(grad(...))`` the per-device weight gradients of a convolution run as grouped convolutions
+    that ``FlopCounterMode`` counts many times over (351 GFLOP per CameraAuth round against about 20
+    by the one-by-one path)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     pool = trainer.pool
     inner = pool.handle_batch
     total = [0]
+    batched = pool.batched
+    if not hasattr(pool.flat.module, "trace"):
+        pool.batched = False
 
     def counted(msgs: Any) -> Any:
         counter = FlopCounterMode(display=False)
@@ -193,6 +202,7 @@ async def _count_device_flops(trainer: Any, rnd: int) -> float:
         report = await trainer.server.run_round(rnd, trainer.runtime)
     finally:
         del pool.handle_batch
+        pool.batched = batched
     if not report.applied or report.attempts != 1:
         raise RuntimeError(f"the counted round {rnd} did not run once cleanly ({report.as_dict()})")
     return float(total[0])
