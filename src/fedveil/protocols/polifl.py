@@ -590,12 +590,11 @@ async def run_stage(
     clip_norm: float | None,
     dp_mode: str,
     rng: np.random.Generator,
-    start_round: int = 1,
     on_round: Callable[[int, RoundReport], None] | None = None,
 ) -> StageResult:
     """Run one ``runFL`` stage on the engine (module docstring): start the job on the stage's devices,
-    train ``stage.rounds`` rounds from ``model``'s value (``start_round`` > 1 resumes a stage whose
-    server state was restored), record each round in ``ledger`` and return the model's advanced pair."""
+    train ``stage.rounds`` rounds from ``model``'s value, record each round in ``ledger`` and return the
+    model's advanced pair."""
     if dp_mode not in DP_MODES:
         raise ConfigError(f"dp mode {dp_mode!r} is not one of {', '.join(DP_MODES)}")
     dp = stage.noise_std is not None
@@ -633,10 +632,9 @@ async def run_stage(
     )
     reported = sorted({replies[c].policy for c in ready})
     scoped = run_fl(model, [DataPolicyPair(None, parse(text)) for text in reported])
-    if start_round == 1:
-        server.engine.current = np.array(scoped._value(), dtype=np.float32)
+    server.engine.current = np.array(scoped._value(), dtype=np.float32)
     result = StageResult(scoped, refused, z=z, q=q)
-    for rnd in range(start_round, stage.rounds + 1):
+    for rnd in range(1, stage.rounds + 1):
         report = await server.run_round(rnd, comm)
         ledger.record([g.name for g in stage.groups], z=z, q=q)
         result.reports.append(report)
