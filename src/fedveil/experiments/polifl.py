@@ -23,6 +23,7 @@ over rounds per strategy: Fig. 6/7's shape) are rewritten after every stage.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
 import time
@@ -625,8 +626,6 @@ def run_strategy(
 
 
 def _npz(weights: np.ndarray) -> bytes:
-    import io
-
     buf = io.BytesIO()
     np.savez(buf, weights=np.asarray(weights, dtype=np.float32))
     return buf.getvalue()
@@ -668,8 +667,6 @@ def run_polifl(
 
 
 def _json(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
     if isinstance(value, np.generic):
         return value.item()
     raise TypeError(f"not JSON: {type(value).__name__}")

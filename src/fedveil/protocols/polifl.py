@@ -486,7 +486,6 @@ class PolicyDevices:
         self.loss = loss
         self.batched = batched
         self.prepared: dict[ClientId, DataPolicyPair] = {}
-        self.job: str | None = None
         self.trainer: ModelClients | None = None
 
     def client_ids(self) -> list[ClientId]:
@@ -530,7 +529,6 @@ class PolicyDevices:
             value = pair._value()
             users.append(UserData(cid, {}, {"x": np.asarray(value["x"]), "y": np.asarray(value["y"])}))
             out[cid] = JobReady(m.job, True, "", show(pair.policy), len(value["y"]))
-        self.job = job.job
         transform = None
         if job.clip_norm > 0:
             transform = ClipAndNoise(job.clip_norm, job.local_noise_std, 1)
