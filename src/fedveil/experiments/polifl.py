@@ -50,9 +50,11 @@ from fedveil.protocols.local import LocalOptimizer
 from fedveil.protocols.polifl import (
     PolicyDevices,
     PolicyGroup,
+    Stage,
     enforce_budget,
     prepare_pair,
     release_model,
+    run_fl,
     run_stage,
     stage_of,
     start_pair,
@@ -62,6 +64,12 @@ from fedveil.runtime.simulation import SimulationRuntime
 __all__ = ["GroupSpec", "PolifLRun", "Task", "build_task", "load_polifl_run", "run_polifl"]
 
 TASKS = ("images", "mpu", "text")
+
+RoundHook = Callable[[dict[str, Any], Callable[[], dict[str, float]]], None]
+"""Called after every training round with the round's history line and a function that returns each
+stage group's epsilon so far (computed only when called). It may raise to stop the run: a
+non-:class:`~fedveil.errors.FedveilError` exception propagates out of :func:`run_strategy`, and a rerun
+resumes from the last finished call."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +199,7 @@ def _assign(ids: list[str], run: PolifLRun) -> dict[str, list[str]]:
     return members
 
 
-def _images(run: PolifLRun) -> Task:
+def _images(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
     from fedveil.experiments.fedavg_images import FedAvgRun, split_images
     from fedveil.models.zoo import build_model
     from fedveil.protocols.fedavg import evaluate_model
@@ -225,7 +233,7 @@ def _images(run: PolifLRun) -> Task:
     return Task(
         flat,
         values,
-        _assign(ids, run),
+        members or _assign(ids, run),
         torch.nn.functional.cross_entropy,
         None,
         "accuracy",
@@ -234,14 +242,14 @@ def _images(run: PolifLRun) -> Task:
     )
 
 
-def _mpu(run: PolifLRun) -> Task:
+def _mpu(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
     from fedveil.data.mpu import SENSORS, synthetic_mpu
     from fedveil.eval.verification import roc_auc
     from fedveil.models.behaviour import EngagementNet, binary_logit_loss
 
     users = synthetic_mpu(run.clients, seed=run.seed)
     ids = list(users)
-    members = _assign(ids, run)
+    members = members or _assign(ids, run)
     values = {c: {"x": u["x"], "y": u["y"], "sensor_columns": tuple(SENSORS)} for c, u in users.items()}
     group_of = {c: g for g, cs in members.items() for c in cs}
     specs = {g.name: g for g in run.groups}
@@ -252,9 +260,12 @@ def _mpu(run: PolifLRun) -> Task:
         if c in group_of:
             g = specs[group_of[c]]
             held_out = {"x": x, "y": u["test_y"], "sensor_columns": tuple(SENSORS)}
-            pair = prepare_pair(
-                DataPolicyPair(held_out, parse(g.policy)), g.commands, g.program, programs=programs
-            )
+            try:
+                pair = prepare_pair(
+                    DataPolicyPair(held_out, parse(g.policy)), g.commands, g.program, programs=programs
+                )
+            except PolicyViolation as exc:
+                raise PolicyViolation(f"group {g.name}: {exc}") from None
             x = np.asarray(pair._value()["x"])
         xs.append(x)
         ys.append(u["test_y"])
@@ -282,7 +293,7 @@ def _mpu(run: PolifLRun) -> Task:
     )
 
 
-def _text(run: PolifLRun) -> Task:
+def _text(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
     from fedveil.data.text import text_users
     from fedveil.models.behaviour import NextWordLSTM, sequence_loss
 
@@ -306,7 +317,7 @@ def _text(run: PolifLRun) -> Task:
     return Task(
         flat,
         values,
-        _assign(ids, run),
+        members or _assign(ids, run),
         sequence_loss,
         False,
         "accuracy",
@@ -315,9 +326,18 @@ def _text(run: PolifLRun) -> Task:
     )
 
 
-def build_task(run: PolifLRun) -> Task:
-    """The run's use case (module docstring)."""
-    return {"images": _images, "mpu": _mpu, "text": _text}[run.task](run)
+def build_task(run: PolifLRun, members: dict[str, list[str]] | None = None) -> Task:
+    """The run's use case (module docstring); ``members`` (group name -> user ids) replaces the seeded
+    assignment by the groups' fractions (a service knows its devices' groups)."""
+    if members is not None:
+        names = {g.name for g in run.groups}
+        if set(members) != names or not all(members.values()):
+            raise ConfigError(f"members must name users for exactly the groups {sorted(names)}")
+    task = {"images": _images, "mpu": _mpu, "text": _text}[run.task](run, members)
+    unknown = sorted({c for cs in task.members.values() for c in cs} - set(task.values))
+    if unknown:
+        raise ConfigError(f"members {unknown[:5]} are not users of the {run.task} task")
+    return task
 
 
 # --- one strategy: a global program in the sandbox, the server's functions as its host ------------------
@@ -377,8 +397,19 @@ class _Host:
     outcome in ``state.json`` (``run_fl``'s model in ``call<i>.npz``), so a rerun replays finished calls
     instead of training again and the program, being deterministic, continues where it stopped."""
 
-    def __init__(self, run: PolifLRun, task: Task, strategy: str, folder: Path, progress: bool) -> None:
+    def __init__(
+        self,
+        run: PolifLRun,
+        task: Task,
+        strategy: str,
+        folder: Path,
+        progress: bool,
+        *,
+        dry: bool = False,
+        on_round: RoundHook | None = None,
+    ) -> None:
         self.run, self.task, self.strategy, self.folder, self.progress = run, task, strategy, folder, progress
+        self.dry, self.on_round = dry, on_round
         self.state_path = folder / "state.json"
         self.state = (
             _State(**json.loads(self.state_path.read_text())) if self.state_path.exists() else _State()
@@ -408,13 +439,15 @@ class _Host:
             self.server.engine.rng.bit_generator.state = self.state.selection
         self.contributors: dict[int, frozenset[str]] = {}
         self.released: set[int] = set()
+        self.refusals: list[str] = []
         self.calls = 0
-        if not self.state.history:
+        if not self.state.history and not dry:
             self.state.history.append({"round": 0, "stage": "", task.metric: task.evaluate(self.initial)})
 
     def functions(self) -> dict[str, Any]:
-        """The host functions by the names programs call them."""
-        return {
+        """The host functions by the names programs call them; each policy refusal is also kept in
+        :attr:`refusals` (a program may catch it, the run's summary still names it)."""
+        functions: dict[str, Callable[..., Any]] = {
             "run_fl": self.run_fl,
             "release": self.release,
             "check_privacy_budget": lambda m, max_eps: self.budget(m, "check_privacy_budget", max_eps),
@@ -422,6 +455,17 @@ class _Host:
             "enforce_dp_budget": lambda m, eps: self.budget(m, "enforce_dp_budget", eps),
             "epsilon": lambda name: self.ledger.epsilon(self.groups[name].name),
         }
+        return {name: self._noting(f) for name, f in functions.items()}
+
+    def _noting(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            try:
+                return function(*args)
+            except PolicyViolation as exc:
+                self.refusals.append(str(exc))
+                raise
+
+        return call
 
     def _save(self) -> None:
         self.state.ledger = self.ledger.state()
@@ -455,6 +499,11 @@ class _Host:
         entry = self._logged("run_fl")
         index = self.calls - 1
         weights_path = self.folder / f"call{index}.npz"
+        if self.dry:
+            entry = self._plan(model, [self.groups[n] for n in names], rounds)
+            out = DataPolicyPair(model._value(), parse(entry["policy"]))
+            self.contributors[id(out)] = self.contributors.get(id(model), frozenset()) | frozenset(names)
+            return out
         if entry is None:
             entry = self._train(model, [self.groups[n] for n in names], rounds)
             atomic_write(weights_path, _npz(self.server.weights))
@@ -465,8 +514,37 @@ class _Host:
         self.contributors[id(out)] = self.contributors.get(id(model), frozenset()) | frozenset(names)
         return out
 
-    def _train(self, model: DataPolicyPair, groups: list[PolicyGroup], rounds: int) -> dict[str, Any]:
-        run, task = self.run, self.task
+    def _plan(self, model: DataPolicyPair, groups: list[PolicyGroup], rounds: int) -> dict[str, Any]:
+        """A dry run's ``run_fl``: the same stage, budget stop, device-side program (on a stand-in of the
+        devices' data with no rows: only its structure) and ``runFL`` policy checks as a real stage, and
+        the rounds charged to the ledger at the noise and sampling rate they would have, without
+        training."""
+        run = self.run
+        stage, row = self._stage(groups, rounds)
+        sample = next(iter(self.task.values.values()))
+        standin = {k: (v[:0] if isinstance(v, np.ndarray) else v) for k, v in sample.items()}
+        prepared = []
+        for g in groups:
+            try:
+                prepared.append(
+                    prepare_pair(DataPolicyPair(standin, g.policy), g.commands, g.program, name=self.strategy)
+                )
+            except PolicyViolation as exc:
+                raise PolicyViolation(f"group {g.name}: {exc}") from None
+        scoped = run_fl(model, [DataPolicyPair(None, p.policy) for p in prepared])
+        dp = stage.noise_std is not None
+        z = noise_multiplier(stage.noise_std, run.clip_norm) if dp and stage.noise_std else None
+        q = min(1.0, run.clients_per_round / len(stage.members))
+        self.ledger.record([g.name for g in groups], z=z, q=q, rounds=stage.rounds)
+        self.state.round += stage.rounds
+        row.update({"z": z, "q": q, "epsilon": {g.name: self.ledger.epsilon(g.name) for g in groups}})
+        self.state.stages.append(row)
+        return {"kind": "run_fl", "policy": show(scoped.policy)}
+
+    def _stage(self, groups: list[PolicyGroup], rounds: int) -> tuple[Stage, dict[str, Any]]:
+        """The stage of ``groups`` for ``rounds``, shortened to what the budgets allow when the run stops
+        at its budget, and its summary row."""
+        run = self.run
         stage = stage_of(groups, rounds)
         row: dict[str, Any] = {"stage": stage.name, "groups": [g.name for g in groups]}
         row.update({"noise_std": stage.noise_std, "rounds_planned": stage.rounds})
@@ -484,6 +562,11 @@ class _Host:
                 stage = replace(stage, rounds=min(allowed))
                 row["stopped_by_budget"] = True
         row["rounds"] = stage.rounds
+        return stage, row
+
+    def _train(self, model: DataPolicyPair, groups: list[PolicyGroup], rounds: int) -> dict[str, Any]:
+        run, task = self.run, self.task
+        stage, row = self._stage(groups, rounds)
         bar = tqdm(
             total=stage.rounds, desc=f"{self.strategy} {stage.name}", disable=not self.progress, leave=False
         )
@@ -496,6 +579,8 @@ class _Host:
                 line[task.metric] = task.evaluate(self.server.weights)
                 bar.set_postfix({task.metric: f"{line[task.metric]:.3f}"})
             self.state.history.append(line)
+            if self.on_round is not None:
+                self.on_round(line, lambda: {g.name: self.ledger.epsilon(g.name) for g in groups})
 
         started = time.perf_counter()
         result = asyncio.run(
@@ -570,13 +655,24 @@ class _Host:
 
 
 def run_strategy(
-    run: PolifLRun, task: Task, strategy: str, out: Path, *, progress: bool = True
+    run: PolifLRun,
+    task: Task,
+    strategy: str,
+    out: Path,
+    *,
+    progress: bool = True,
+    dry: bool = False,
+    on_round: RoundHook | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one strategy's global program in the sandbox; return its summary (module
-    docstring)."""
+    docstring). ``dry``: check the program against the groups' policies before anything trains: every
+    ``run_fl`` runs the device-side program on a stand-in of the data and the ``runFL`` checks, and charges
+    the ledger the epsilon its rounds would cost, so the budget commands and ``return`` meet the same
+    refusals as the real run would (a dry run's summary says ``released`` and why not in ``stopped``).
+    ``on_round``: :data:`RoundHook`."""
     folder = out / strategy.replace(":", "_")
     folder.mkdir(parents=True, exist_ok=True)
-    host = _Host(run, task, strategy, folder, progress)
+    host = _Host(run, task, strategy, folder, progress, dry=dry, on_round=on_round)
     kind, _, single = strategy.partition(":")
     source = run.program if kind == "program" else STRATEGY_PROGRAMS[kind]
     info = [
@@ -603,7 +699,8 @@ def run_strategy(
             )
             host.state.released = isinstance(final, DataPolicyPair) and id(final) in host.released
             if host.state.released:
-                atomic_write(folder / "weights.npz", _npz(final._value()))
+                if not dry:
+                    atomic_write(folder / "weights.npz", _npz(final._value()))
             else:
                 host.state.stopped = "the program returned no released model"
         except SandboxError as exc:
@@ -617,6 +714,7 @@ def run_strategy(
         "stages": state.stages,
         "released": state.released,
         "stopped": state.stopped,
+        "refusals": host.refusals,
         "rounds": state.round,
         "final": evaluated[-1][task.metric] if evaluated else None,
         "best": max(h[task.metric] for h in evaluated) if evaluated else None,

@@ -1,0 +1,60 @@
+"""``fedveil serve``: PoliFL's server as a web service (docs/service.md)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``serve`` command."""
+    p = subparsers.add_parser(
+        "serve", help="the PoliFL web service: job API for applications, policy dashboard (docs/service.md)"
+    )
+    p.add_argument(
+        "--data", type=Path, default=Path("fedveil-service"), help="data folder (default fedveil-service)"
+    )
+    p.add_argument(
+        "--db", default=None, help="database file or URL (default DATA/fedveil.db; postgresql://...)"
+    )
+    p.add_argument(
+        "--listen", default="127.0.0.1:8443", help="HOST:PORT (default 127.0.0.1:8443; port 0: any)"
+    )
+    p.add_argument(
+        "--pki",
+        type=Path,
+        default=None,
+        help="PKI from `fedveil certs init` (default DATA/pki, made if absent)",
+    )
+    p.add_argument("--insecure", action="store_true", help="plaintext HTTP (only behind a TLS proxy)")
+    p.add_argument(
+        "--population",
+        default="mpu:40",
+        help="simulated devices KIND:SIZE, KIND in mpu, images, text (default mpu:40)",
+    )
+    p.add_argument("--admin", default="admin", help="name of the first administrator, made on first start")
+    p.add_argument(
+        "--demo", action="store_true", help="on first start: demo application, groups and policies"
+    )
+    p.add_argument("--stop-after", type=float, default=None, help="stop by itself after this many seconds")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the service."""
+    from fedveil.service.serve import ServeOptions, serve
+
+    return serve(
+        ServeOptions(
+            folder=args.data,
+            db=args.db,
+            listen=args.listen,
+            pki=args.pki,
+            insecure=args.insecure,
+            population=args.population,
+            admin=args.admin,
+            stop_after=args.stop_after,
+            demo=args.demo,
+        )
+    )

@@ -1,0 +1,762 @@
+"""The PoliFL server as a web service (003_d27972a5478cff69.txt, Sec. 4.2, Fig. 1): the Access Service API
+for third-party applications and the administrators' policy dashboard, on FastAPI.
+
+**Access Service API** (``/api/v1``, documented by the served OpenAPI schema at ``/openapi.json``): an
+application authenticates with ``Authorization: Bearer <token>``; a missing, malformed, wrong or revoked
+token gets the same 401 and nothing else. It lists the groups it may ask for with its policies
+(``GET /api/v1/groups``), submits a job (``POST /api/v1/jobs``: checked against the policies before
+anything runs, :func:`fedveil.service.jobs.validate`; 202 when queued, 403 naming the policy and command
+that refuse it, 422 for a program that does not compile or leaves the sandbox), follows it
+(``GET /api/v1/jobs/{id}``: status, round, per-group epsilon spent), lists, cancels and resumes its jobs,
+and downloads the released model as safetensors (``GET /api/v1/jobs/{id}/model``; 403 with the policy's
+refusal when the release was refused). Another application's job answers exactly like a job that does
+not exist (404), so ids leak nothing.
+
+**Dashboard** (``/admin``): an administrator signs in with a name and password (not an application
+token) and manages applications and their tokens (a new token is shown once), groups, devices' groups,
+and the policy each application may use each group's data under (parsed on save: the parser's error is
+shown in the page; edits carry the version they started from, and a stale edit is refused with 409 rather
+than overwriting someone else's). It shows jobs and a chart of each group's epsilon spent per job against
+its policy's budget. Every form carries the session's CSRF token (the sign-in form a double-submit
+cookie's); every page is served with a strict Content-Security-Policy (no scripts at all) and
+``X-Frame-Options: DENY``.
+
+**Abuse**: bodies over ``max_body_bytes`` are refused with 413 before they are read; malformed JSON is
+422 naming the field; all SQL binds its parameters; a crash in a job fails that job, never the service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from jinja2 import Environment, PackageLoader, select_autoescape
+from pydantic import BaseModel
+from sqlalchemy.engine import Engine
+
+from fedveil import __version__
+from fedveil.errors import ConfigError, FedveilError
+from fedveil.privacy.policy import budget_of, parse, show
+from fedveil.service import auth, db
+from fedveil.service.jobs import JobRequest, JobRunner, Population, Refused, audit, validate
+
+__all__ = ["ServiceSettings", "create_app"]
+
+log = logging.getLogger(__name__)
+
+LOGIN_COOKIE = "fv_login"
+SESSION_COOKIE = "fv_session"
+CSP = "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; frame-ancestors 'none'"
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """Where the service keeps its database (a path: SQLite; or a URL) and job files, the simulated
+    device ``population``, the largest request body, whether it is served over TLS (cookies are then
+    ``Secure``), whether to run jobs (tests of the API alone may not) and how long a job's global
+    program may run by itself (its calls into the server not counted)."""
+
+    db: str
+    folder: Path
+    population: Population = field(default_factory=Population)
+    max_body_bytes: int = 1 << 20
+    tls: bool = True
+    run_jobs: bool = True
+    program_seconds: float = 10.0
+
+
+class JobStatus(BaseModel):
+    """A job as its application sees it."""
+
+    id: int
+    name: str
+    status: str
+    created_at: str
+    updated_at: str
+    plan: dict[str, Any] | None = None
+    progress: dict[str, Any] | None = None
+    outcome: dict[str, Any] | None = None
+
+
+class GroupInfo(BaseModel):
+    """A group the application may ask for, with its policy for this application and device count."""
+
+    name: str
+    policy: str
+    budget: float | None
+    devices: int
+
+
+class Problem(BaseModel):
+    """An error: what is wrong and what to do (``job``: the id a refused job was stored under)."""
+
+    detail: str
+    job: int | None = None
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": Problem} for code in (401, 403, 404, 409, 413, 422)
+}
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for a body larger than ``limit`` bytes (declared or streamed)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:
+            await _too_large(send, self.limit)
+            return
+        seen = 0
+
+        async def limited() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await _too_large(send, self.limit)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _too_large(send: Any, limit: int) -> None:
+    body = json.dumps({"detail": f"request body larger than {limit} bytes"}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def _iso(value: Any) -> str:
+    return value.isoformat() + "Z" if value is not None else ""
+
+
+def _status(row: Any) -> JobStatus:
+    request = json.loads(row["request"])
+    return JobStatus(
+        id=row["id"],
+        name=request.get("name", ""),
+        status=row["status"],
+        created_at=_iso(row["created_at"]),
+        updated_at=_iso(row["updated_at"]),
+        plan=json.loads(row["plan"]) if row["plan"] else None,
+        progress=json.loads(row["progress"]) if row["progress"] else None,
+        outcome=json.loads(row["outcome"]) if row["outcome"] else None,
+    )
+
+
+def create_app(settings: ServiceSettings) -> FastAPI:
+    """The service (module docstring): migrates the database, registers the population's devices, marks
+    jobs a killed service left running as interrupted and starts the job runner."""
+    engine = db.connect(settings.db)
+    db.migrate(engine)
+    from fedveil.service.jobs import ensure_population
+
+    ensure_population(engine, settings.population)
+    runner = JobRunner(
+        engine, settings.population, settings.folder / "jobs", program_seconds=settings.program_seconds
+    )
+    runner.recover()
+    templates = Environment(
+        loader=PackageLoader("fedveil.service", "templates"), autoescape=select_autoescape()
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if settings.run_jobs:
+            runner.start()
+        yield
+        runner.stop()
+
+    app = FastAPI(
+        title="fedveil PoliFL service",
+        version=__version__,
+        description="PoliFL's Access Service: submit federated jobs that policies govern (Sec. 4.2).",
+        lifespan=lifespan,
+    )
+    app.state.engine = engine
+    app.state.runner = runner
+    app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+
+    @app.middleware("http")
+    async def _headers(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["X-Frame-Options"] = "DENY"
+        response.headers["Referrer-Policy"] = "no-referrer"
+        if request.url.path.startswith("/admin"):
+            response.headers["Content-Security-Policy"] = CSP
+            response.headers["Cache-Control"] = "no-store"
+        return response
+
+    @app.exception_handler(FedveilError)
+    async def _fedveil_error(_: Request, exc: FedveilError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    # ------------------------------------------------------------------ Access Service API
+
+    def application(request: Request) -> int:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        app_id = auth.verify_token(engine, token.strip()) if scheme.lower() == "bearer" else None
+        if app_id is None:
+            raise HTTPException(401, "a valid application token is needed", {"WWW-Authenticate": "Bearer"})
+        return app_id
+
+    def own_job(job_id: int, app_id: int) -> Any:
+        with engine.connect() as conn:
+            row = conn.execute(sa.select(db.jobs).where(db.jobs.c.id == job_id)).mappings().first()
+        if row is None or row["application_id"] != app_id:
+            raise HTTPException(404, f"job {job_id} not found")
+        return row
+
+    @app.get("/api/v1/health", tags=["service"])
+    def health() -> dict[str, str]:
+        """The service answers."""
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/api/v1/groups", response_model=list[GroupInfo], responses=_ERRORS, tags=["jobs"])
+    def list_groups(app_id: int = Depends(application)) -> list[GroupInfo]:
+        """The groups whose data this application may use, with its policy for each."""
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(db.groups.c.id, db.groups.c.name, db.policies.c.text)
+                .join(db.policies, db.policies.c.group_id == db.groups.c.id)
+                .where(db.policies.c.application_id == app_id)
+                .order_by(db.groups.c.name)
+            ).all()
+            counts = dict(
+                conn.execute(
+                    sa.select(db.devices.c.group_id, sa.func.count()).group_by(db.devices.c.group_id)
+                ).all()
+            )
+        return [
+            GroupInfo(name=name, policy=text, budget=_budget(text), devices=int(counts.get(gid, 0)))
+            for gid, name, text in rows
+        ]
+
+    @app.post("/api/v1/jobs", status_code=202, response_model=JobStatus, responses=_ERRORS, tags=["jobs"])
+    def submit(job: JobRequest, app_id: int = Depends(application)) -> Any:
+        """Submit a job; it is checked against the groups' policies before anything runs."""
+        refused: Refused | None = None
+        plan = None
+        try:
+            plan = validate(
+                engine, settings.population, app_id, job, program_seconds=settings.program_seconds
+            )
+        except Refused as exc:
+            refused = exc
+        except FedveilError as exc:
+            refused = Refused(str(exc), 422)
+        status = "queued" if refused is None else "refused"
+        outcome = None if refused is None else json.dumps({"released": False, "reason": str(refused)})
+        with engine.begin() as conn:
+            job_id = conn.execute(
+                db.jobs.insert().values(
+                    application_id=app_id,
+                    status=status,
+                    request=job.model_dump_json(),
+                    plan=json.dumps(plan, default=float) if plan else None,
+                    outcome=outcome,
+                    cancel=False,
+                    created_at=db.now(),
+                    updated_at=db.now(),
+                )
+            ).inserted_primary_key[0]
+        if refused is not None:
+            action = (
+                "sandbox refusal" if "refused:" in str(refused) and refused.status == 422 else "job refused"
+            )
+            audit(engine, f"application {app_id}", action, f"job {job_id}: {refused}")
+            log.warning("job %d refused: %s", job_id, refused)
+            return JSONResponse({"detail": str(refused), "job": job_id}, status_code=refused.status)
+        runner.wake()
+        return _status(own_job(int(job_id), app_id))
+
+    @app.get("/api/v1/jobs", response_model=list[JobStatus], responses=_ERRORS, tags=["jobs"])
+    def list_jobs(app_id: int = Depends(application)) -> list[JobStatus]:
+        """This application's jobs, newest first."""
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(db.jobs).where(db.jobs.c.application_id == app_id).order_by(db.jobs.c.id.desc())
+            ).mappings()
+            return [_status(r) for r in rows]
+
+    @app.get("/api/v1/jobs/{job_id}", response_model=JobStatus, responses=_ERRORS, tags=["jobs"])
+    def job_status(job_id: int, app_id: int = Depends(application)) -> JobStatus:
+        """A job's status, round and per-group epsilon spent."""
+        return _status(own_job(job_id, app_id))
+
+    @app.post("/api/v1/jobs/{job_id}/cancel", response_model=JobStatus, responses=_ERRORS, tags=["jobs"])
+    def cancel(job_id: int, app_id: int = Depends(application)) -> JobStatus:
+        """Cancel a job: a queued or interrupted job at once, a running one at its next round."""
+        row = own_job(job_id, app_id)
+        with engine.begin() as conn:
+            if row["status"] in ("queued", "interrupted"):
+                conn.execute(
+                    db.jobs.update()
+                    .where(db.jobs.c.id == job_id, db.jobs.c.status == row["status"])
+                    .values(status="cancelled", cancel=True, updated_at=db.now())
+                )
+            elif row["status"] == "running":
+                conn.execute(db.jobs.update().where(db.jobs.c.id == job_id).values(cancel=True))
+            else:
+                raise HTTPException(409, f"job {job_id} is {row['status']}: there is nothing to cancel")
+        return _status(own_job(job_id, app_id))
+
+    @app.post("/api/v1/jobs/{job_id}/resume", response_model=JobStatus, responses=_ERRORS, tags=["jobs"])
+    def resume(job_id: int, app_id: int = Depends(application)) -> JobStatus:
+        """Queue an interrupted job again: it continues from its last finished stage."""
+        row = own_job(job_id, app_id)
+        if row["status"] != "interrupted":
+            raise HTTPException(409, f"job {job_id} is {row['status']}; only an interrupted job resumes")
+        with engine.begin() as conn:
+            conn.execute(
+                db.jobs.update().where(db.jobs.c.id == job_id).values(status="queued", updated_at=db.now())
+            )
+        runner.wake()
+        return _status(own_job(job_id, app_id))
+
+    @app.get(
+        "/api/v1/jobs/{job_id}/model",
+        responses={200: {"content": {"application/octet-stream": {}}}, **_ERRORS},
+        response_class=Response,
+        tags=["jobs"],
+    )
+    def model(job_id: int, app_id: int = Depends(application)) -> Response:
+        """The released model (safetensors), only if the policies authorised its release."""
+        row = own_job(job_id, app_id)
+        outcome = json.loads(row["outcome"]) if row["outcome"] else {}
+        if row["status"] != "finished":
+            if row["status"] == "refused":
+                raise HTTPException(403, f"no model: {outcome.get('reason', 'the job was refused')}")
+            raise HTTPException(409, f"job {job_id} is {row['status']}: no model yet")
+        if not outcome.get("released"):
+            raise HTTPException(403, f"the policies refused the model's release: {outcome.get('reason')}")
+        path = runner.model_path(job_id)
+        if not path.exists():
+            raise HTTPException(409, f"job {job_id}'s model file is missing: resume or resubmit the job")
+        return FileResponse(path, media_type="application/octet-stream", filename=f"job{job_id}.safetensors")
+
+    # ------------------------------------------------------------------ dashboard
+
+    _install_dashboard(app, engine, settings, templates)
+    return app
+
+
+def _budget(text: str) -> float | None:
+    try:
+        return budget_of(parse(text))
+    except FedveilError:
+        return None
+
+
+def _install_dashboard(
+    app: FastAPI, engine: Engine, settings: ServiceSettings, templates: Environment
+) -> None:
+    """The administrators' pages (module docstring)."""
+    from fastapi.staticfiles import StaticFiles
+
+    static = Path(__file__).with_name("static")
+    app.mount("/admin/static", StaticFiles(directory=static), name="static")
+
+    def page(name: str, status: int = 200, **context: Any) -> HTMLResponse:
+        return HTMLResponse(templates.get_template(name).render(**context), status_code=status)
+
+    def session(request: Request) -> auth.Session | None:
+        return auth.session_of(engine, request.cookies.get(SESSION_COOKIE))
+
+    async def checked(request: Request) -> tuple[auth.Session, dict[str, str]]:
+        """The signed-in session and the form, after the CSRF check; else an HTTP error."""
+        s = session(request)
+        if s is None:
+            raise HTTPException(401, "sign in first")
+        form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+        if not auth.csrf_ok(s, form.get("csrf")):
+            raise HTTPException(403, "the form's CSRF token is missing or wrong: reload the page")
+        return s, form
+
+    def back(note: str = "") -> RedirectResponse:
+        return RedirectResponse("/admin" + (f"?note={note}" if note else ""), status_code=303)
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/admin", status_code=303)
+
+    @app.get("/admin/login", include_in_schema=False)
+    def login_page(error: str = "") -> HTMLResponse:
+        token = secrets.token_urlsafe(24)
+        response = page("login.html", csrf=token, error=error[:200])
+        response.set_cookie(
+            LOGIN_COOKIE, token, httponly=True, samesite="strict", secure=settings.tls, path="/admin"
+        )
+        return response
+
+    @app.post("/admin/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+        cookie = request.cookies.get(LOGIN_COOKIE, "")
+        if not cookie or not secrets.compare_digest(cookie.encode(), form.get("csrf", "").encode()):
+            raise HTTPException(403, "the sign-in form's CSRF token is missing or wrong: reload the page")
+        admin = auth.check_admin(engine, form.get("name", ""), form.get("password", ""))
+        if admin is None:
+            audit(engine, form.get("name", "")[:100] or "?", "sign-in failed", "wrong name or password")
+            return login_page("Wrong name or password.")
+        response = RedirectResponse("/admin", status_code=303)
+        response.set_cookie(
+            SESSION_COOKIE,
+            auth.start_session(engine, admin),
+            httponly=True,
+            samesite="strict",
+            secure=settings.tls,
+            max_age=auth.SESSION_HOURS * 3600,
+        )
+        response.delete_cookie(LOGIN_COOKIE, path="/admin")
+        audit(engine, form.get("name", ""), "signed in", "")
+        return response
+
+    @app.post("/admin/logout", include_in_schema=False)
+    async def logout(request: Request) -> Response:
+        await checked(request)
+        auth.end_session(engine, request.cookies.get(SESSION_COOKIE))
+        response = RedirectResponse("/admin/login", status_code=303)
+        response.delete_cookie(SESSION_COOKIE)
+        return response
+
+    def overview() -> dict[str, Any]:
+        with engine.connect() as conn:
+            apps = conn.execute(sa.select(db.applications).order_by(db.applications.c.name)).mappings().all()
+            toks = conn.execute(sa.select(db.tokens).order_by(db.tokens.c.id)).mappings().all()
+            groups = conn.execute(sa.select(db.groups).order_by(db.groups.c.name)).mappings().all()
+            pols = (
+                conn.execute(
+                    sa.select(
+                        db.policies, db.applications.c.name.label("app"), db.groups.c.name.label("group")
+                    )
+                    .join(db.applications, db.applications.c.id == db.policies.c.application_id)
+                    .join(db.groups, db.groups.c.id == db.policies.c.group_id)
+                    .order_by(db.applications.c.name, db.groups.c.name)
+                )
+                .mappings()
+                .all()
+            )
+            counts = dict(
+                conn.execute(
+                    sa.select(db.devices.c.group_id, sa.func.count()).group_by(db.devices.c.group_id)
+                ).all()
+            )
+            jobs = (
+                conn.execute(
+                    sa.select(db.jobs, db.applications.c.name.label("app"))
+                    .join(db.applications, db.applications.c.id == db.jobs.c.application_id)
+                    .order_by(db.jobs.c.id.desc())
+                    .limit(50)
+                )
+                .mappings()
+                .all()
+            )
+            events = (
+                conn.execute(sa.select(db.audit).order_by(db.audit.c.id.desc()).limit(20)).mappings().all()
+            )
+        job_rows = [{**_status(j).model_dump(), "app": j["app"]} for j in jobs]
+        return {
+            "apps": apps,
+            "tokens": toks,
+            "groups": [{**g, "devices": counts.get(g["id"], 0)} for g in groups],
+            "unassigned": counts.get(None, 0),
+            "policies": [{**p, "budget": _budget(p["text"])} for p in pols],
+            "jobs": job_rows,
+            "chart": _chart(job_rows, pols),
+            "events": events,
+        }
+
+    @app.get("/admin", include_in_schema=False)
+    def dashboard(request: Request, note: str = "") -> Response:
+        s = session(request)
+        if s is None:
+            return RedirectResponse("/admin/login", status_code=303)
+        return page("dashboard.html", s=s, note=note[:200], population=settings.population, **overview())
+
+    def again(s: auth.Session, error: str, status: int = 400, **form: Any) -> HTMLResponse:
+        return page(
+            "dashboard.html",
+            status,
+            s=s,
+            error=error,
+            form=form,
+            population=settings.population,
+            **overview(),
+        )
+
+    @app.post("/admin/applications", include_in_schema=False)
+    async def add_application(request: Request) -> Response:
+        s, form = await checked(request)
+        try:
+            app_id = auth.create_application(engine, form.get("name", ""))
+        except ConfigError as exc:
+            return again(s, str(exc))
+        token = auth.issue_token(engine, app_id)
+        audit(engine, s.admin, "application created", form["name"])
+        return page("token.html", s=s, app=form["name"], token=token)
+
+    @app.post("/admin/applications/{app_id}/token", include_in_schema=False)
+    async def new_token(request: Request, app_id: int) -> Response:
+        s, _ = await checked(request)
+        try:
+            token = auth.issue_token(engine, app_id)
+        except ConfigError as exc:
+            return again(s, str(exc), 404)
+        with engine.connect() as conn:
+            name = conn.execute(
+                sa.select(db.applications.c.name).where(db.applications.c.id == app_id)
+            ).scalar()
+        audit(engine, s.admin, "token issued", str(name))
+        return page("token.html", s=s, app=name, token=token)
+
+    @app.post("/admin/tokens/{key_id}/revoke", include_in_schema=False)
+    async def revoke(request: Request, key_id: str) -> Response:
+        s, _ = await checked(request)
+        if not auth.revoke_token(engine, key_id[:32]):
+            return again(s, f"no live token {key_id[:32]!r}", 404)
+        audit(engine, s.admin, "token revoked", key_id[:32])
+        return back("token revoked")
+
+    @app.post("/admin/groups", include_in_schema=False)
+    async def add_group(request: Request) -> Response:
+        s, form = await checked(request)
+        name = form.get("name", "")
+        try:
+            auth.check_name(name, "group")
+            with engine.begin() as conn:
+                if conn.execute(sa.select(db.groups.c.id).where(db.groups.c.name == name)).first():
+                    raise ConfigError(f"a group named {name!r} exists already")
+                conn.execute(db.groups.insert().values(name=name, created_at=db.now()))
+        except ConfigError as exc:
+            return again(s, str(exc))
+        audit(engine, s.admin, "group created", name)
+        return back("group created")
+
+    @app.post("/admin/devices/assign", include_in_schema=False)
+    async def assign(request: Request) -> Response:
+        s, _ = await checked(request)
+        with engine.begin() as conn:
+            gids = [r[0] for r in conn.execute(sa.select(db.groups.c.id).order_by(db.groups.c.id))]
+            if not gids:
+                return again(s, "create a group first")
+            free = [
+                r[0]
+                for r in conn.execute(
+                    sa.select(db.devices.c.id)
+                    .where(db.devices.c.group_id.is_(None))
+                    .order_by(db.devices.c.name)
+                )
+            ]
+            for i, dev in enumerate(free):
+                conn.execute(
+                    db.devices.update().where(db.devices.c.id == dev).values(group_id=gids[i % len(gids)])
+                )
+        audit(engine, s.admin, "devices assigned", f"{len(free)} devices over {len(gids)} groups")
+        return back(f"{len(free)} devices assigned")
+
+    @app.get("/admin/devices", include_in_schema=False)
+    def device_page(request: Request) -> Response:
+        s = session(request)
+        if s is None:
+            return RedirectResponse("/admin/login", status_code=303)
+        with engine.connect() as conn:
+            rows = (
+                conn.execute(
+                    sa.select(db.devices, db.groups.c.name.label("group"))
+                    .outerjoin(db.groups, db.groups.c.id == db.devices.c.group_id)
+                    .order_by(db.devices.c.name)
+                )
+                .mappings()
+                .all()
+            )
+            groups = conn.execute(sa.select(db.groups).order_by(db.groups.c.name)).mappings().all()
+        return page("devices.html", s=s, devices=rows, groups=groups, population=settings.population)
+
+    @app.post("/admin/devices/{device_id}", include_in_schema=False)
+    async def move_device(request: Request, device_id: int) -> Response:
+        s, form = await checked(request)
+        group = form.get("group", "")
+        with engine.begin() as conn:
+            gid = None
+            if group:
+                gid = conn.execute(sa.select(db.groups.c.id).where(db.groups.c.name == group)).scalar()
+                if gid is None:
+                    return again(s, f"there is no group {group!r}", 404)
+            done = conn.execute(db.devices.update().where(db.devices.c.id == device_id).values(group_id=gid))
+        if not done.rowcount:
+            return again(s, f"there is no device {device_id}", 404)
+        return RedirectResponse("/admin/devices", status_code=303)
+
+    def _ids(form: dict[str, str]) -> tuple[int | None, int | None]:
+        with engine.connect() as conn:
+            app_id = conn.execute(
+                sa.select(db.applications.c.id).where(db.applications.c.name == form.get("application", ""))
+            ).scalar()
+            gid = conn.execute(
+                sa.select(db.groups.c.id).where(db.groups.c.name == form.get("group", ""))
+            ).scalar()
+        return app_id, gid
+
+    @app.post("/admin/policies", include_in_schema=False)
+    async def add_policy(request: Request) -> Response:
+        s, form = await checked(request)
+        text = form.get("text", "")
+        app_id, gid = _ids(form)
+        if app_id is None or gid is None:
+            return again(s, "choose an application and a group that exist", 400, **form)
+        try:
+            canonical = show(parse(text))
+        except FedveilError as exc:
+            return again(s, f"the policy does not parse: {exc}", 400, **form)
+        with engine.begin() as conn:
+            exists = conn.execute(
+                sa.select(db.policies.c.id).where(
+                    db.policies.c.application_id == app_id, db.policies.c.group_id == gid
+                )
+            ).first()
+            if exists:
+                return again(s, "this application has a policy for this group already: edit it", 409, **form)
+            conn.execute(
+                db.policies.insert().values(
+                    application_id=app_id, group_id=gid, text=text, version=1, updated_at=db.now()
+                )
+            )
+        audit(
+            engine, s.admin, "policy added", f"{form.get('application')} / {form.get('group')}: {canonical}"
+        )
+        return back("policy added")
+
+    def policy_row(policy_id: int) -> Any:
+        with engine.connect() as conn:
+            row = (
+                conn.execute(
+                    sa.select(
+                        db.policies, db.applications.c.name.label("app"), db.groups.c.name.label("group")
+                    )
+                    .join(db.applications, db.applications.c.id == db.policies.c.application_id)
+                    .join(db.groups, db.groups.c.id == db.policies.c.group_id)
+                    .where(db.policies.c.id == policy_id)
+                )
+                .mappings()
+                .first()
+            )
+        if row is None:
+            raise HTTPException(404, f"there is no policy {policy_id}")
+        return row
+
+    @app.get("/admin/policies/{policy_id}", include_in_schema=False)
+    def edit_page(request: Request, policy_id: int) -> Response:
+        s = session(request)
+        if s is None:
+            return RedirectResponse("/admin/login", status_code=303)
+        row = policy_row(policy_id)
+        return page("policy.html", s=s, p=row, text=row["text"], version=row["version"], error="")
+
+    @app.post("/admin/policies/{policy_id}", include_in_schema=False)
+    async def edit_policy(request: Request, policy_id: int) -> Response:
+        s, form = await checked(request)
+        row = policy_row(policy_id)
+        text = form.get("text", "")
+        version = form.get("version", "")
+        try:
+            parse(text)
+        except FedveilError as exc:
+            return page(
+                "policy.html",
+                400,
+                s=s,
+                p=row,
+                text=text,
+                version=version,
+                error=f"the policy does not parse: {exc}",
+            )
+        if not version.isdigit():
+            return page(
+                "policy.html", 400, s=s, p=row, text=text, version=row["version"], error="reload the page"
+            )
+        with engine.begin() as conn:
+            done = conn.execute(
+                db.policies.update()
+                .where(db.policies.c.id == policy_id, db.policies.c.version == int(version))
+                .values(text=text, version=int(version) + 1, updated_at=db.now())
+            )
+        if not done.rowcount:
+            fresh = policy_row(policy_id)
+            return page(
+                "policy.html",
+                409,
+                s=s,
+                p=fresh,
+                text=text,
+                version=fresh["version"],
+                error=(
+                    f"someone saved this policy (now version {fresh['version']}: {fresh['text']}) after you "
+                    "opened it; your text is kept below: save again to replace theirs"
+                ),
+            )
+        audit(engine, s.admin, "policy edited", f"{row['app']} / {row['group']}: {text}")
+        return back("policy saved")
+
+    @app.post("/admin/policies/{policy_id}/delete", include_in_schema=False)
+    async def delete_policy(request: Request, policy_id: int) -> Response:
+        s, _ = await checked(request)
+        row = policy_row(policy_id)
+        with engine.begin() as conn:
+            conn.execute(db.policies.delete().where(db.policies.c.id == policy_id))
+        audit(engine, s.admin, "policy deleted", f"{row['app']} / {row['group']}")
+        return back("policy deleted")
+
+
+def _chart(jobs: list[dict[str, Any]], policies: Any) -> dict[str, Any]:
+    """Bars of epsilon spent per (job, group), with each group's smallest policy budget as a mark: the
+    data of the dashboard's SVG chart (no script)."""
+    bars = []
+    for j in reversed(jobs):
+        spent = (j.get("progress") or {}).get("epsilon") or (j.get("outcome") or {}).get("epsilon") or {}
+        for group, eps in sorted(spent.items()):
+            if eps is not None and eps == eps and eps != float("inf"):
+                bars.append({"label": f"#{j['id']} {group}", "group": group, "eps": float(eps)})
+    budgets: dict[str, float] = {}
+    for p in policies:
+        b = _budget(p["text"])
+        if b is not None:
+            budgets[p["group"]] = min(b, budgets.get(p["group"], b))
+    top = max([b["eps"] for b in bars] + list(budgets.values()) + [1.0])
+    width = 560
+    for b in bars:
+        b["w"] = max(1.0, width * b["eps"] / top)
+        b["budget_x"] = width * budgets[b["group"]] / top if b["group"] in budgets else None
+    return {"bars": bars[-24:], "top": top, "width": width}
