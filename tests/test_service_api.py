@@ -89,7 +89,7 @@ def test_bad_tokens_get_the_same_401_and_nothing_else(service) -> None:
 
 
 def test_tokens_are_stored_only_as_salted_hashes(service) -> None:
-    client, token, _, _, folder = service
+    _, token, _, _, folder = service
     secret = token.split(".")[2]
     raw = b"".join(p.read_bytes() for p in folder.glob("fedveil.db*"))
     assert secret.encode() not in raw

@@ -34,14 +34,17 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Path as PathParam
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 from pydantic import BaseModel
 from sqlalchemy.engine import Engine
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fedveil import __version__
 from fedveil.errors import ConfigError, FedveilError
@@ -103,8 +106,28 @@ class Problem(BaseModel):
     job: int | None = None
 
 
+class FieldError(BaseModel):
+    """One invalid field: where (``loc``), what is wrong (``msg``) and its kind (``type``)."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class Invalid(BaseModel):
+    """A request that cannot be read (``detail``: one entry per invalid field) or a job that cannot run
+    (``detail``: why; ``job``: the id it was stored under)."""
+
+    detail: str | list[FieldError]
+    job: int | None = None
+
+
+JobId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="the job's id")]
+RowId = Annotated[int, PathParam(ge=1, le=2**31 - 1)]
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": Problem} for code in (401, 403, 404, 409, 413, 422)
+    **{code: {"model": Problem} for code in (401, 403, 404, 409, 413)},
+    422: {"model": Invalid},
 }
 
 
@@ -218,6 +241,14 @@ def create_app(settings: ServiceSettings) -> FastAPI:
             response.headers["Cache-Control"] = "no-store"
         return response
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # a body that is not even UTF-8 is malformed JSON too: 422 naming the body, like any other
+        if exc.status_code == 400 and request.url.path.startswith("/api/"):
+            detail = [{"loc": ["body"], "msg": "the body is not valid JSON (UTF-8)", "type": "json_invalid"}]
+            return JSONResponse({"detail": detail}, status_code=422)
+        return await http_exception_handler(request, exc)
+
     @app.exception_handler(FedveilError)
     async def _fedveil_error(_: Request, exc: FedveilError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=422)
@@ -312,12 +343,12 @@ def create_app(settings: ServiceSettings) -> FastAPI:
             return [_status(r) for r in rows]
 
     @app.get("/api/v1/jobs/{job_id}", response_model=JobStatus, responses=_ERRORS, tags=["jobs"])
-    def job_status(job_id: int, app_id: int = Depends(application)) -> JobStatus:
+    def job_status(job_id: JobId, app_id: int = Depends(application)) -> JobStatus:
         """A job's status, round and per-group epsilon spent."""
         return _status(own_job(job_id, app_id))
 
     @app.post("/api/v1/jobs/{job_id}/cancel", response_model=JobStatus, responses=_ERRORS, tags=["jobs"])
-    def cancel(job_id: int, app_id: int = Depends(application)) -> JobStatus:
+    def cancel(job_id: JobId, app_id: int = Depends(application)) -> JobStatus:
         """Cancel a job: a queued or interrupted job at once, a running one at its next round."""
         row = own_job(job_id, app_id)
         with engine.begin() as conn:
@@ -334,7 +365,7 @@ def create_app(settings: ServiceSettings) -> FastAPI:
         return _status(own_job(job_id, app_id))
 
     @app.post("/api/v1/jobs/{job_id}/resume", response_model=JobStatus, responses=_ERRORS, tags=["jobs"])
-    def resume(job_id: int, app_id: int = Depends(application)) -> JobStatus:
+    def resume(job_id: JobId, app_id: int = Depends(application)) -> JobStatus:
         """Queue an interrupted job again: it continues from its last finished stage."""
         row = own_job(job_id, app_id)
         if row["status"] != "interrupted":
@@ -352,7 +383,7 @@ def create_app(settings: ServiceSettings) -> FastAPI:
         response_class=Response,
         tags=["jobs"],
     )
-    def model(job_id: int, app_id: int = Depends(application)) -> Response:
+    def model(job_id: JobId, app_id: int = Depends(application)) -> Response:
         """The released model (safetensors), only if the policies authorised its release."""
         row = own_job(job_id, app_id)
         outcome = json.loads(row["outcome"]) if row["outcome"] else {}
@@ -529,7 +560,7 @@ def _install_dashboard(
         return page("token.html", s=s, app=form["name"], token=token)
 
     @app.post("/admin/applications/{app_id}/token", include_in_schema=False)
-    async def new_token(request: Request, app_id: int) -> Response:
+    async def new_token(request: Request, app_id: RowId) -> Response:
         s, _ = await checked(request)
         try:
             token = auth.issue_token(engine, app_id)
@@ -606,7 +637,7 @@ def _install_dashboard(
         return page("devices.html", s=s, devices=rows, groups=groups, population=settings.population)
 
     @app.post("/admin/devices/{device_id}", include_in_schema=False)
-    async def move_device(request: Request, device_id: int) -> Response:
+    async def move_device(request: Request, device_id: RowId) -> Response:
         s, form = await checked(request)
         group = form.get("group", "")
         with engine.begin() as conn:
@@ -678,7 +709,7 @@ def _install_dashboard(
         return row
 
     @app.get("/admin/policies/{policy_id}", include_in_schema=False)
-    def edit_page(request: Request, policy_id: int) -> Response:
+    def edit_page(request: Request, policy_id: RowId) -> Response:
         s = session(request)
         if s is None:
             return RedirectResponse("/admin/login", status_code=303)
@@ -686,7 +717,7 @@ def _install_dashboard(
         return page("policy.html", s=s, p=row, text=row["text"], version=row["version"], error="")
 
     @app.post("/admin/policies/{policy_id}", include_in_schema=False)
-    async def edit_policy(request: Request, policy_id: int) -> Response:
+    async def edit_policy(request: Request, policy_id: RowId) -> Response:
         s, form = await checked(request)
         row = policy_row(policy_id)
         text = form.get("text", "")
@@ -731,7 +762,7 @@ def _install_dashboard(
         return back("policy saved")
 
     @app.post("/admin/policies/{policy_id}/delete", include_in_schema=False)
-    async def delete_policy(request: Request, policy_id: int) -> Response:
+    async def delete_policy(request: Request, policy_id: RowId) -> Response:
         s, _ = await checked(request)
         row = policy_row(policy_id)
         with engine.begin() as conn:

@@ -190,10 +190,17 @@ def connect(db: str | Path) -> Engine:
 
         @sa.event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+            # the driver's own transaction handling would commit DDL at once; SQLAlchemy's BEGIN below
+            # makes a migration's DDL and its version bump one transaction
+            dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA journal_mode=WAL")
             cur.close()
+
+        @sa.event.listens_for(engine, "begin")
+        def _begin(conn):  # type: ignore[no-untyped-def]
+            conn.exec_driver_sql("BEGIN")
 
         return engine
     return sa.create_engine(url, pool_pre_ping=True)

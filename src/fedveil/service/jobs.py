@@ -62,7 +62,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KINDS = ("mpu", "images", "text")
-MODELS: dict[str, tuple[str, ...]] = {
+MODELS: dict[str, tuple[str, ...]] = {  # every name here is also in JobRequest.model's Literal
     "mpu": ("engagement",),
     "images": ("lenet", "lenet-sigmoid"),
     "text": ("nextword",),
@@ -110,7 +110,9 @@ class JobRequest(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
     global_program: str = Field(min_length=1, max_length=PROGRAM_CHARS)
     local_program: str = Field(default="", max_length=PROGRAM_CHARS)
-    model: str = Field(min_length=1, max_length=40)
+    model: Literal["engagement", "lenet", "lenet-sigmoid", "nextword"] = Field(
+        description="allow-listed model; which ones a service accepts depends on its devices' data (MODELS)"
+    )
     hyper: Hyper = Field(default_factory=Hyper)
     groups: list[GroupRequest] = Field(min_length=1, max_length=16)
 
