@@ -107,9 +107,14 @@ def test_a_program_cannot_forge_a_pair_or_an_array_in_its_result() -> None:
     assert not any(isinstance(v, DataPolicyPair) for v in out)
 
 
+def _same(pair: DataPolicyPair) -> DataPolicyPair:
+    """A library function (module level: library functions reach the program's process by name)."""
+    return pair
+
+
 def test_arrays_come_back_exactly() -> None:
     program = compile_program("def main(p):\n    return get_data(p)\n")
-    out = run_program(program, "main", _pair(), library={"get_data": lambda p: p})
+    out = run_program(program, "main", _pair(), library={"get_data": _same})
     assert isinstance(out, DataPolicyPair)
     value = out._value()
     assert value.dtype == np.float64 and value.tolist() == [SECRET, 1.0]

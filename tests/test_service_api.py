@@ -222,6 +222,8 @@ def test_abuse_oversize_malformed_and_injection_shaped_input(service) -> None:
     r = client.post("/api/v1/jobs", json={**_job(), "hyper": {"rounds": "many"}}, headers=_auth(token))
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "hyper", "rounds"]
     r = client.post("/api/v1/jobs", json={**_job(), "model": "resnet152"}, headers=_auth(token))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "model"]
+    r = client.post("/api/v1/jobs", json={**_job(), "model": "lenet"}, headers=_auth(token))
     assert r.status_code == 422 and "allowed: engagement" in r.json()["detail"]
     injection = "x'); DROP TABLE jobs; --"
     r = client.post("/api/v1/jobs", json={**_job(), "name": injection}, headers=_auth(token))

@@ -1,7 +1,11 @@
-"""``python -m fedveil``: the same as the ``fedveil`` command (used to start local device agents)."""
+"""``python -m fedveil``: the same as the ``fedveil`` command (used to start local device agents).
+
+Guarded: the sandbox's fork server imports the main module in its children, which must not run the CLI
+again."""
 
 import sys
 
 from fedveil.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

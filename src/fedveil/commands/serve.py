@@ -33,6 +33,11 @@ def register(subparsers: Any) -> None:
         default="mpu:40",
         help="simulated devices KIND:SIZE, KIND in mpu, images, text (default mpu:40)",
     )
+    p.add_argument(
+        "--devices-listen",
+        default=None,
+        help="device port HOST:PORT: devices are agents (fedveil polifl agent) holding --population's kind",
+    )
     p.add_argument("--admin", default="admin", help="name of the first administrator, made on first start")
     p.add_argument(
         "--demo", action="store_true", help="on first start: demo application, groups and policies"
@@ -56,5 +61,6 @@ def run(args: argparse.Namespace) -> int:
             admin=args.admin,
             stop_after=args.stop_after,
             demo=args.demo,
+            devices_listen=args.devices_listen,
         )
     )

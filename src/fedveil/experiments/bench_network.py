@@ -23,7 +23,7 @@ import resource
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,11 +109,77 @@ def _cpu_seconds(who: int) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
+PERCENTILES = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("max", 100.0))
+"""The latency percentiles the benchmark reports (name, percent)."""
+
+
+def percentiles(
+    values: Sequence[float], points: Sequence[tuple[str, float]] = PERCENTILES
+) -> dict[str, float]:
+    """``{name: percentile}`` of ``values`` for each ``(name, percent)`` of ``points`` (``{}`` when empty)."""
+    if not len(values):
         return {}
-    arr = np.asarray(values)
-    return {p: float(np.percentile(arr, q)) for p, q in (("p50", 50), ("p95", 95), ("p99", 99), ("max", 100))}
+    arr = np.asarray(values, dtype=float)
+    return {p: float(np.percentile(arr, q)) for p, q in points}
+
+
+def throwaway_pki(root: str | Path, names: Sequence[str]) -> tuple[Path, Path, float]:
+    """A throw-away PKI for loopback measurements: ``root/pki`` (:func:`certs.init_pki`) and one device
+    certificate per name under ``root/devices/NAME``; returns (PKI folder, devices folder, seconds spent
+    issuing the device certificates)."""
+    base = Path(root)
+    pki = base / "pki"
+    certs.init_pki(pki)
+    t0 = time.perf_counter()
+    for name in names:
+        certs.issue_device(pki, name).write(base / "devices" / name)
+    return pki, base / "devices", time.perf_counter() - t0
+
+
+async def wait_connected(runtime: NetworkRuntime, devices: int, timeout: float) -> float:
+    """Wait until ``devices`` agents are connected to ``runtime``; the seconds it took, or a
+    :class:`ConfigError` after ``timeout`` seconds."""
+    t0 = time.perf_counter()
+    connected = await runtime.wait_for_devices(devices, timeout)
+    if len(connected) < devices:
+        raise ConfigError(f"only {len(connected)} of {devices} agents connected in {timeout:g} s")
+    return time.perf_counter() - t0
+
+
+@contextlib.asynccontextmanager
+async def agent_processes(
+    runtime: NetworkRuntime,
+    commands: Sequence[Sequence[str]],
+    *,
+    grace: float = 30.0,
+    log_dir: str | Path | None = None,
+) -> AsyncIterator[list[asyncio.subprocess.Process]]:
+    """Start one agent process per command (output discarded, or stderr to ``log_dir/agent-I.log``);
+    on leaving, close ``runtime`` (its final goodbye ends the agents) and wait up to ``grace`` seconds for
+    each process, killing any still running."""
+    procs: list[asyncio.subprocess.Process] = []
+    logs: list[Any] = []
+    try:
+        for i, cmd in enumerate(commands):
+            err: Any = asyncio.subprocess.DEVNULL
+            if log_dir is not None:
+                err = open(Path(log_dir) / f"agent-{i}.log", "wb")  # noqa: SIM115 - closed below
+                logs.append(err)
+            procs.append(
+                await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.DEVNULL, stderr=err)
+            )
+        yield procs
+    finally:
+        await runtime.close()
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), grace)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+        for f in logs:
+            f.close()
 
 
 def bench_network(
@@ -137,57 +203,33 @@ def bench_network(
     weights = np.zeros(model_bytes // 4, dtype=np.float32)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         root = Path(tmp)
-        pki = root / "pki"
-        certs.init_pki(pki)
-        t0 = time.perf_counter()
-        for name in ids:
-            certs.issue_device(pki, name).write(root / "devices" / name)
-        cert_seconds = time.perf_counter() - t0
+        pki, devices, cert_seconds = throwaway_pki(root, ids)
 
         async def go() -> dict[str, Any]:
             runtime = NetworkRuntime("127.0.0.1:0", pki=pki, max_message_bytes=2 * model_bytes + 2**16)
             port = await runtime.start()
-            procs = []
-            try:
-                for i in range(processes):
-                    cmd = [
-                        sys.executable,
-                        "-m",
-                        "fedveil.experiments.bench_network",
-                        f"127.0.0.1:{port}",
-                        str(root / "devices"),
-                        f"{i}/{processes}",
-                        str(agents),
-                        str(tte_mean),
-                        str(2 * model_bytes + 2**16),
-                    ]
-                    procs.append(
-                        await asyncio.create_subprocess_exec(
-                            *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
-                        )
-                    )
-                c0 = time.perf_counter()
-                connected = await runtime.wait_for_devices(agents, connect_timeout)
-                connect_seconds = time.perf_counter() - c0
-                if len(connected) < agents:
-                    raise ConfigError(
-                        f"only {len(connected)} of {agents} agents connected in {connect_timeout:g} s"
-                    )
+            commands = [
+                [
+                    sys.executable,
+                    "-m",
+                    "fedveil.experiments.bench_network",
+                    f"127.0.0.1:{port}",
+                    str(devices),
+                    f"{i}/{processes}",
+                    str(agents),
+                    str(tte_mean),
+                    str(2 * model_bytes + 2**16),
+                ]
+                for i in range(processes)
+            ]
+            async with agent_processes(runtime, commands):
+                connect_seconds = await wait_connected(runtime, agents, connect_timeout)
                 cpu0 = _cpu_seconds(resource.RUSAGE_SELF)
                 net = await _rounds(runtime, ids, weights, rounds, timeout)
                 net["server_cpu"] = _cpu_seconds(resource.RUSAGE_SELF) - cpu0
                 timings = list(runtime.stats().timings)
                 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
                 return {"net": net, "timings": timings, "connect_seconds": connect_seconds, "rss": rss}
-            finally:
-                await runtime.close()
-                for p in procs:
-                    try:
-                        await asyncio.wait_for(p.wait(), 30)
-                    except TimeoutError:
-                        with contextlib.suppress(ProcessLookupError):
-                            p.kill()
-                        await p.wait()
 
         result = asyncio.run(go())
     sim_runtime = SimulationRuntime(BenchPool(ids), rng=np.random.default_rng(0))
@@ -202,10 +244,10 @@ def bench_network(
         "model_bytes": int(weights.nbytes),
         "lost_updates": int(net["lost"]),
         "tte_simulated_mean_seconds": tte_mean,
-        "ttd": _percentiles([t.ttd for t in timings]),
-        "tte": _percentiles([t.tte for t in timings]),
-        "ttr": _percentiles([t.ttr for t in timings]),
-        "ttp": _percentiles([t.ttp for t in timings]),
+        "ttd": percentiles([t.ttd for t in timings]),
+        "tte": percentiles([t.tte for t in timings]),
+        "ttr": percentiles([t.ttr for t in timings]),
+        "ttp": percentiles([t.ttp for t in timings]),
         "round_seconds": walls,
         "round_seconds_median": float(np.median(walls)),
         "server_overhead_seconds": overhead,

@@ -37,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from fedveil.core.atomic import atomic_write
+from fedveil.core.communicator import Communicator
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import build_dataclass, read_yaml_mapping
 from fedveil.experiments.plots import plot_series
@@ -168,7 +169,9 @@ def load_polifl_run(path: str | Path, overrides: dict[str, Any] | None = None) -
 @dataclass
 class Task:
     """A use case built for a run: the model, each client's data (``values``), the groups' members,
-    the loss, whether the cohort trains batched, the metric's name and the evaluation of weights.
+    the loss, whether the cohort trains batched, the metric's name and the evaluation of weights (``None``
+    where the server holds no test data: networked devices), and the model's spec (what networked devices
+    build).
     ``initial`` is the model's initial vector, taken when the task is built: every strategy starts
     from it (evaluating loads other weights into the module)."""
 
@@ -178,12 +181,81 @@ class Task:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     batched: bool | None
     metric: str
-    evaluate: Callable[[np.ndarray], float]
+    evaluate: Callable[[np.ndarray], float] | None
     description: str = ""
+    spec: ModelSpec | None = None
     initial: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.initial = self.flat.initial().copy()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a device needs to build a job's model (it travels in :class:`~fedveil.protocols.polifl.JobStart`
+    as JSON; the server's initial weights come with the first round): the ``task``, the zoo ``model`` name
+    (``images``), the LSTM width ``hidden`` (``mpu``, ``text``), the ``vocab`` size (``text``) and, for
+    images, the classes, channels and image size."""
+
+    task: str
+    model: str = "lenet"
+    hidden: int = 64
+    vocab: int = 2000
+    num_classes: int = 10
+    in_channels: int = 1
+    image_size: int = 28
+
+    def to_json(self) -> str:
+        """The spec as it travels."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelSpec:
+        """A spec from a job; unknown keys or a task outside :data:`TASKS` are refused."""
+        try:
+            fields = json.loads(text)
+            spec = cls(**fields) if isinstance(fields, dict) else None
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"model spec {text[:80]!r} is not valid: {exc}") from None
+        if spec is None or spec.task not in TASKS:
+            raise ConfigError(f"model spec {text[:80]!r} names no task of {', '.join(TASKS)}")
+        return spec
+
+
+def task_model(
+    spec: ModelSpec, seed: int = 0
+) -> tuple[FlatModel, Callable[[torch.Tensor, torch.Tensor], torch.Tensor], bool | None]:
+    """The flat model, loss and batching of ``spec`` (every use case builds its model here; devices build
+    a job's model from its spec). Only allow-listed architectures: the zoo's image models, EngagementNet
+    (LSTM, 15 MPU sensors) and the 2-layer next-word LSTM."""
+    from fedveil.models.behaviour import EngagementNet, NextWordLSTM, binary_logit_loss, sequence_loss
+
+    torch.manual_seed(seed)
+    if spec.task == "images":
+        from fedveil.models.zoo import MODELS, build_model
+
+        if spec.model not in MODELS:
+            raise ConfigError(f"model {spec.model!r} is not in the zoo ({', '.join(MODELS)})")
+        module = build_model(
+            spec.model,
+            num_classes=spec.num_classes,
+            in_channels=spec.in_channels,
+            image_size=spec.image_size,
+            seed=seed,
+        )
+        return FlatModel(module), torch.nn.functional.cross_entropy, None
+    for name in ("hidden", "vocab"):
+        if not 1 <= getattr(spec, name) <= 100_000:
+            raise ConfigError(f"model {name} {getattr(spec, name)} must be between 1 and 100000")
+    if spec.task == "mpu":
+        from fedveil.data.mpu import SENSORS
+
+        return FlatModel(EngagementNet(len(SENSORS), hidden=spec.hidden)), binary_logit_loss, False
+    return (
+        FlatModel(NextWordLSTM(spec.vocab, embedding=spec.hidden, hidden=spec.hidden)),
+        sequence_loss,
+        False,
+    )
 
 
 def _assign(ids: list[str], run: PolifLRun) -> dict[str, list[str]]:
@@ -201,7 +273,6 @@ def _assign(ids: list[str], run: PolifLRun) -> dict[str, list[str]]:
 
 def _images(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
     from fedveil.experiments.fedavg_images import FedAvgRun, split_images
-    from fedveil.models.zoo import build_model
     from fedveil.protocols.fedavg import evaluate_model
 
     split = split_images(
@@ -217,14 +288,14 @@ def _images(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
     )
     ids = list(split.data.user_ids)
     values = {c: {"x": split.data.array(c, "x"), "y": split.data.array(c, "y")} for c in ids}
-    module = build_model(
+    spec = ModelSpec(
+        "images",
         run.model,
         num_classes=split.members.num_classes,
         in_channels=split.members.image_shape[0],
         image_size=split.members.image_shape[1],
-        seed=run.seed,
     )
-    flat = FlatModel(module)
+    flat, loss, batched = task_model(spec, run.seed)
     test = split.test
 
     def evaluate(weights: np.ndarray) -> float:
@@ -234,18 +305,18 @@ def _images(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
         flat,
         values,
         members or _assign(ids, run),
-        torch.nn.functional.cross_entropy,
-        None,
+        loss,
+        batched,
         "accuracy",
         evaluate,
         f"{run.model} on {split.train.name}, {run.clients} clients x {run.samples_per_client} ({run.scheme})",
+        spec,
     )
 
 
 def _mpu(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
     from fedveil.data.mpu import SENSORS, synthetic_mpu
     from fedveil.eval.verification import roc_auc
-    from fedveil.models.behaviour import EngagementNet, binary_logit_loss
 
     users = synthetic_mpu(run.clients, seed=run.seed)
     ids = list(users)
@@ -271,9 +342,8 @@ def _mpu(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
         ys.append(u["test_y"])
     test_x = torch.from_numpy(np.concatenate(xs))
     test_y = np.concatenate(ys)
-    torch.manual_seed(run.seed)
-    module = EngagementNet(len(SENSORS), hidden=run.hidden)
-    flat = FlatModel(module)
+    spec = ModelSpec("mpu", hidden=run.hidden)
+    flat, loss, batched = task_model(spec, run.seed)
 
     def evaluate(weights: np.ndarray) -> float:
         model = flat.load_into_module(weights).eval()
@@ -285,25 +355,25 @@ def _mpu(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
         flat,
         values,
         members,
-        binary_logit_loss,
-        False,
+        loss,
+        batched,
         "auc",
         evaluate,
         f"SYNTHETIC MPU: {run.clients} users, 15 sensors, EngagementNet (LSTM {run.hidden} units)",
+        spec,
     )
 
 
 def _text(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
     from fedveil.data.text import text_users
-    from fedveil.models.behaviour import NextWordLSTM, sequence_loss
 
     users, _, source = text_users(run.clients, vocab=run.vocab, seed=run.seed)
     ids = list(users)
     values = {c: {"x": u["x"], "y": u["y"]} for c, u in users.items()}
     test_x = torch.from_numpy(np.concatenate([u["test_x"] for u in users.values()]))
     test_y = torch.from_numpy(np.concatenate([u["test_y"] for u in users.values()]))
-    torch.manual_seed(run.seed)
-    flat = FlatModel(NextWordLSTM(run.vocab, embedding=run.hidden, hidden=run.hidden))
+    spec = ModelSpec("text", hidden=run.hidden, vocab=run.vocab)
+    flat, loss, batched = task_model(spec, run.seed)
 
     def evaluate(weights: np.ndarray) -> float:
         model = flat.load_into_module(weights).eval()
@@ -318,11 +388,12 @@ def _text(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
         flat,
         values,
         members or _assign(ids, run),
-        sequence_loss,
-        False,
+        loss,
+        batched,
         "accuracy",
         evaluate,
         f"next word on {source}: {len(ids)} users, vocabulary {run.vocab}, 2-layer LSTM {run.hidden} units",
+        spec,
     )
 
 
@@ -391,6 +462,39 @@ def _groups(run: PolifLRun, task: Task) -> list[PolicyGroup]:
     ]
 
 
+@dataclass(frozen=True)
+class Network:
+    """Devices reached over the network (:class:`~fedveil.runtime.network.server.NetworkRuntime`): the
+    communicator and the event loop it serves on (another thread's); each stage runs there."""
+
+    comm: Communicator
+    loop: asyncio.AbstractEventLoop
+
+
+def network_task(run: PolifLRun, members: dict[str, list[str]]) -> Task:
+    """A run's task when its devices are networked agents: the model from the run's spec, the groups'
+    ``members`` (device ids), and, instead of the devices' data (which stays on them), a stand-in with
+    the structure of one user's data and no rows (built from the task's seeded synthetic or public
+    population: the dry run's device-side checks need the structure only). No server-side evaluation."""
+    probe = replace(
+        run,
+        clients=max(4, 2 * len(run.groups)),
+        samples_per_client=4,
+        test_samples=10,
+        vocab=min(run.vocab, 50),
+    )
+    local = build_task(probe)
+    sample = next(iter(local.values.values()))
+    standin = {k: (v[:0] if isinstance(v, np.ndarray) else v) for k, v in sample.items()}
+    assert local.spec is not None
+    spec = replace(local.spec, vocab=run.vocab)
+    flat, loss, batched = task_model(spec, run.seed)
+    description = (
+        f"{run.task} model {spec.to_json()} on networked devices ({sum(map(len, members.values()))})"
+    )
+    return Task(flat, {"(stand-in)": standin}, dict(members), loss, batched, "none", None, description, spec)
+
+
 class _Host:
     """The server's side of a job (the functions a global program calls, :func:`run_program`'s ``host``):
     ``run_fl``, ``release``, the three budget commands and ``epsilon``. Every call is logged with its
@@ -407,9 +511,10 @@ class _Host:
         *,
         dry: bool = False,
         on_round: RoundHook | None = None,
+        network: Network | None = None,
     ) -> None:
         self.run, self.task, self.strategy, self.folder, self.progress = run, task, strategy, folder, progress
-        self.dry, self.on_round = dry, on_round
+        self.dry, self.on_round, self.network = dry, on_round, network
         self.state_path = folder / "state.json"
         self.state = (
             _State(**json.loads(self.state_path.read_text())) if self.state_path.exists() else _State()
@@ -418,13 +523,24 @@ class _Host:
         self.ledger = GroupLedger(list(self.groups), delta=run.delta, method=run.accounting)
         if self.state.ledger is not None:
             self.ledger.restore(self.state.ledger)
-        group_of = {c: g for g in self.groups.values() for c in g.members}
-        pairs = {c: DataPolicyPair(v, group_of[c].policy) for c, v in task.values.items() if c in group_of}
         self.optimizer = LocalOptimizer("sgd", run.lr)
-        devices = PolicyDevices(
-            task.flat, pairs, optimizer=self.optimizer, seed=run.seed, loss=task.loss, batched=task.batched
-        )
-        self.runtime = SimulationRuntime(devices, rng=np.random.default_rng(run.seed + 1))
+        self.runtime: Communicator
+        if network is not None:
+            self.runtime = network.comm
+        else:
+            group_of = {c: g for g in self.groups.values() for c in g.members}
+            pairs = {
+                c: DataPolicyPair(v, group_of[c].policy) for c, v in task.values.items() if c in group_of
+            }
+            devices = PolicyDevices(
+                task.flat,
+                pairs,
+                optimizer=self.optimizer,
+                seed=run.seed,
+                loss=task.loss,
+                batched=task.batched,
+            )
+            self.runtime = SimulationRuntime(devices, rng=np.random.default_rng(run.seed + 1))
         cfg = ImageFedAvgConfig(
             clients_per_round=run.clients_per_round,
             local_epochs=run.local_epochs,
@@ -441,7 +557,7 @@ class _Host:
         self.released: set[int] = set()
         self.refusals: list[str] = []
         self.calls = 0
-        if not self.state.history and not dry:
+        if not self.state.history and not dry and task.evaluate is not None:
             self.state.history.append({"round": 0, "stage": "", task.metric: task.evaluate(self.initial)})
 
     def functions(self) -> dict[str, Any]:
@@ -458,9 +574,9 @@ class _Host:
         return {name: self._noting(f) for name, f in functions.items()}
 
     def _noting(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             try:
-                return function(*args)
+                return function(*args, **kwargs)
             except PolicyViolation as exc:
                 self.refusals.append(str(exc))
                 raise
@@ -575,7 +691,7 @@ class _Host:
         def on_round(rnd: int, report: Any) -> None:
             bar.update(1)
             line: dict[str, Any] = {"round": base + rnd, "stage": stage.name, "loss": report.loss}
-            if rnd % run.eval_every == 0 or rnd == stage.rounds:
+            if task.evaluate is not None and (rnd % run.eval_every == 0 or rnd == stage.rounds):
                 line[task.metric] = task.evaluate(self.server.weights)
                 bar.set_postfix({task.metric: f"{line[task.metric]:.3f}"})
             self.state.history.append(line)
@@ -583,20 +699,23 @@ class _Host:
                 self.on_round(line, lambda: {g.name: self.ledger.epsilon(g.name) for g in groups})
 
         started = time.perf_counter()
-        result = asyncio.run(
-            run_stage(
-                stage,
-                job=f"{run.name}/{self.strategy}/{stage.name}",
-                model=model,
-                server=self.server,
-                comm=self.runtime,
-                ledger=self.ledger,
-                clip_norm=run.clip_norm,
-                dp_mode=run.dp_mode,
-                rng=np.random.default_rng(run.seed + 100 + len(self.state.stages)),
-                on_round=on_round,
-            )
+        stage_run = run_stage(
+            stage,
+            job=f"{run.name}/{self.strategy}/{stage.name}",
+            model=model,
+            server=self.server,
+            comm=self.runtime,
+            ledger=self.ledger,
+            clip_norm=run.clip_norm,
+            dp_mode=run.dp_mode,
+            rng=np.random.default_rng(run.seed + 100 + len(self.state.stages)),
+            on_round=on_round,
+            model_spec=task.spec.to_json() if task.spec is not None else "",
         )
+        if self.network is not None:
+            result = asyncio.run_coroutine_threadsafe(stage_run, self.network.loop).result()
+        else:
+            result = asyncio.run(stage_run)
         bar.close()
         self.state.round += stage.rounds
         row.update(
@@ -663,16 +782,18 @@ def run_strategy(
     progress: bool = True,
     dry: bool = False,
     on_round: RoundHook | None = None,
+    network: Network | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one strategy's global program in the sandbox; return its summary (module
     docstring). ``dry``: check the program against the groups' policies before anything trains: every
     ``run_fl`` runs the device-side program on a stand-in of the data and the ``runFL`` checks, and charges
     the ledger the epsilon its rounds would cost, so the budget commands and ``return`` meet the same
     refusals as the real run would (a dry run's summary says ``released`` and why not in ``stopped``).
-    ``on_round``: :data:`RoundHook`."""
+    ``on_round``: :data:`RoundHook`. ``network``: the devices are networked agents (:func:`network_task`)
+    instead of the task's simulated ones."""
     folder = out / strategy.replace(":", "_")
     folder.mkdir(parents=True, exist_ok=True)
-    host = _Host(run, task, strategy, folder, progress, dry=dry, on_round=on_round)
+    host = _Host(run, task, strategy, folder, progress, dry=dry, on_round=on_round, network=network)
     kind, _, single = strategy.partition(":")
     source = run.program if kind == "program" else STRATEGY_PROGRAMS[kind]
     info = [

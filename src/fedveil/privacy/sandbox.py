@@ -17,10 +17,15 @@ already refuses most of these names at compile time, the guard is the second lin
 write goes through RestrictedPython's write guard (no attribute writes on objects the program did not
 create). ``getattr``, ``setattr``, ``exec``, ``eval``, ``compile``, ``open``, ``__import__``, ``type``,
 ``vars``, ``dir`` and ``globals`` are simply not there. A pair's value has no public attribute. The
-program runs in a **forked child process** under ``RLIMIT_AS`` (memory) and ``RLIMIT_CPU`` plus a wall-clock
+program runs in a **child process** under ``RLIMIT_AS`` (memory) and ``RLIMIT_CPU`` plus a wall-clock
 limit, so a huge allocation or an endless loop ends that child, not the service; its result comes back
 as tagged JSON (numbers, strings, lists, dicts, numeric arrays as base64 bytes, and pairs as their policy
-text and value; a value a program builds can never be read back as a pair), never pickle.
+text and value; a value a program builds can never be read back as a pair), never pickle. The child is
+forked from multiprocessing's fork server, a clean process started once, never from the caller: a caller
+that runs gRPC's threads (the service, a device agent) cannot be forked safely. What goes *to* the child
+(the program's source, its arguments, the library functions by name) is pickled by our own process for
+our own child; nothing the program produces is unpickled. :func:`preload` names library modules the fork
+server imports once.
 
 **Host functions.** A job's global program runs on the server but must not hold the server's pairs:
 with ``host=`` the named functions run in the caller's process, the program calls them through the pipe,
@@ -55,7 +60,16 @@ from fedveil.errors import FedveilError
 from fedveil.privacy.pairs import DataPolicyPair
 from fedveil.privacy.policy import Policy, parse, show
 
-__all__ = ["BUILTINS", "Handle", "HostError", "Program", "SandboxError", "compile_program", "run_program"]
+__all__ = [
+    "BUILTINS",
+    "Handle",
+    "HostError",
+    "Program",
+    "SandboxError",
+    "compile_program",
+    "preload",
+    "run_program",
+]
 
 
 class SandboxError(FedveilError):
@@ -112,10 +126,25 @@ def _guarded_getattr(obj: Any, name: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class Program:
-    """A compiled program: its ``name`` and code object."""
+    """A compiled program: its ``name``, code object and ``source`` (a program travels to the sandbox's
+    process as its source and is compiled again there: code objects do not pickle)."""
 
     name: str
     code: Any
+    source: str = ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (compile_program, (self.source, self.name))
+
+
+_PRELOAD = {__name__}
+
+
+def preload(module: str) -> None:
+    """Have sandboxed programs start with ``module`` imported (a library's module, so that its functions
+    arrive in the program's process without importing it each time). Takes effect if called before the
+    first program runs."""
+    _PRELOAD.add(module)
 
 
 def compile_program(source: str, name: str = "program") -> Program:
@@ -125,7 +154,7 @@ def compile_program(source: str, name: str = "program") -> Program:
     result = compile_restricted_exec(source, filename=f"<{name}>")
     if result.errors or result.code is None:
         raise SandboxError(f"program {name} refused: " + "; ".join(result.errors or ("no code",)))
-    return Program(name, result.code)
+    return Program(name, result.code, source)
 
 
 def _encode(value: Any, table: dict[int, DataPolicyPair] | None = None) -> Any:
@@ -194,7 +223,7 @@ def _decode(value: Any, table: dict[int, DataPolicyPair] | None = None) -> Any:
 def _child(
     program: Program,
     entry: str,
-    args: tuple[Any, ...],
+    encoded: str,
     library: Mapping[str, Callable[..., Any]],
     host: tuple[str, ...],
     memory: int,
@@ -234,7 +263,7 @@ def _child(
         fn = scope.get(entry)
         if not callable(fn):
             raise SandboxError(f"program {program.name} defines no function {entry}()")
-        conn.send_bytes(json.dumps({"ok": _encode(fn(*args))}).encode())
+        conn.send_bytes(json.dumps({"ok": _encode(fn(*_decode(json.loads(encoded))))}).encode())
     except MemoryError:
         conn.send_bytes(
             json.dumps(
@@ -258,28 +287,34 @@ def run_program(
     time_limit: float = 10.0,
     memory_limit: int = 1 << 30,
 ) -> Any:
-    """Call ``entry(*args)`` of ``program`` in a forked child under the limits (module docstring:
-    ``memory_limit`` bytes of address space beyond what the forked image already maps, ``time_limit``
+    """Call ``entry(*args)`` of ``program`` in a child process under the limits (module docstring:
+    ``memory_limit`` bytes of address space beyond what the child's image already maps, ``time_limit``
     seconds of the program's own running) and return its result; a refused operation, an exception of
     the program's own or an exceeded limit is a :class:`SandboxError` naming it (an exception's message
     is passed on only when fedveil wrote it).
 
-    ``library`` functions run in the child. ``host`` functions run here, in the caller's process: the
+    ``library`` functions run in the child (module-level functions: they reach it by name, their module
+    imported there or preloaded, :func:`preload`). ``host`` functions run here, in the caller's process: the
     program calls them through the pipe, and every pair among ``args`` and among a host function's
     results stays here, the program holding a :class:`Handle` (its policy, never its value). Time spent
     in host functions does not count against ``time_limit``. A host function's
     :class:`~fedveil.errors.FedveilError` reaches the program as a :class:`HostError` with its message;
     any other exception is the host's own failure: the child is stopped and the exception raised here."""
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(sorted(_PRELOAD))
     parent, child = context.Pipe(duplex=True)
     cpu = max(1, int(time_limit + 0.999))
     table: dict[int, DataPolicyPair] | None = {} if host else None
-    if table is not None:
-        args = tuple(_decode(_encode(a, table)) for a in args)
+    try:
+        encoded = json.dumps(_encode(list(args), table))
+    except TypeError as exc:
+        raise SandboxError(
+            f"program {program.name}: an argument cannot be given to a program: {exc}"
+        ) from None
     names = tuple(host or ())
     proc = context.Process(
         target=_child,
-        args=(program, entry, args, dict(library or {}), names, memory_limit, cpu, child),
+        args=(program, entry, encoded, dict(library or {}), names, memory_limit, cpu, child),
         daemon=True,
     )
     proc.start()

@@ -309,7 +309,9 @@ class ParameterPlan:
         self.num_params = flat.num_params
         self.shared_index = np.concatenate(shared)
         self.upload_index = np.concatenate(upload)
-        self.private_index = np.setdiff1d(np.arange(flat.num_params), self.shared_index)
+        private = np.ones(flat.num_params, dtype=bool)
+        private[self.shared_index] = False
+        self.private_index = np.flatnonzero(private)  # = setdiff1d(arange, shared): linear, not a sort
         self.upload_in_shared = np.searchsorted(self.shared_index, self.upload_index)
         self.train_mask = None if trainable.all() else torch.from_numpy(trainable)
 

@@ -68,7 +68,7 @@ from fedveil.privacy.policy import (
     parse,
     show,
 )
-from fedveil.privacy.sandbox import Program, SandboxError, compile_program, run_program
+from fedveil.privacy.sandbox import Program, SandboxError, compile_program, preload, run_program
 from fedveil.protocols.common import RoundReport
 from fedveil.protocols.fedavg import ClipAndNoise, FitResult, ModelClients, ModelServer, fedavg_aggregate
 from fedveil.protocols.local import LocalOptimizer
@@ -103,6 +103,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DP_MODES = ("central", "local")
+ModelBuilder = Callable[[str], tuple[FlatModel, Any, "bool | None"]]
+"""Makes a job's flat model, loss and batching from its JSON model spec (refusing what it does not
+allow with a :class:`~fedveil.errors.ConfigError`)."""
 DEVICE_COMMANDS = ("get_data", "filter", "in_geofence_cond")
 """The commands a job may ask a device to run before ``runFL`` (:class:`JobStart`)."""
 
@@ -115,13 +118,16 @@ DEVICE_COMMANDS = ("get_data", "filter", "in_geofence_cond")
 class JobStart:
     """A stage starts: the device-side ``commands`` in policy syntax, or a third-party ``program``
     (RestrictedPython source defining ``prepare(data)``, run in the sandbox on the device; ``""``: none),
-    the clip norm ``S`` and the standard deviation of the device's noise share (0 in central mode)."""
+    the clip norm ``S``, the standard deviation of the device's noise share (0 in central mode) and the
+    job's ``model`` (a JSON model spec a networked device builds its model from with its allow-listed
+    builder; ``""``: the device's own model)."""
 
     job: str
     commands: tuple[str, ...]
     program: str
     clip_norm: float
     local_noise_std: float
+    model: str = ""
 
 
 @message("polifl.job_ready")
@@ -289,6 +295,8 @@ def release_model(pair: DataPolicyPair, spent: Mapping[str, float]) -> tuple[Any
     value = release(pair)
     return value, [*done, "return"]
 
+
+preload(__name__)
 
 DEVICE_LIBRARY: dict[str, Callable[..., Any]] = {
     "get_data": get_data,
@@ -461,12 +469,14 @@ class PolicyDevices:
     through the library on the device's pair; a device whose advanced policy does not admit ``runFL``
     refuses the job (:class:`JobReady` carries the reason) and trains nothing. A ``FitRequest`` is served
     only by devices that accepted the current job, by a :class:`~fedveil.protocols.fedavg.ModelClients`
-    over the pairs' values with the job's :class:`~fedveil.protocols.fedavg.ClipAndNoise`.
+    over the pairs' values with the job's :class:`~fedveil.protocols.fedavg.ClipAndNoise`. With a
+    ``builder`` (networked devices, which serve many jobs), each job's model comes from its
+    :class:`JobStart`'s spec; a spec the builder refuses is a refused job.
     """
 
     def __init__(
         self,
-        flat: FlatModel,
+        flat: FlatModel | None,
         pairs: Mapping[ClientId, DataPolicyPair],
         *,
         optimizer: LocalOptimizer,
@@ -475,7 +485,12 @@ class PolicyDevices:
         batched: bool | None = None,
         time_limit: float = 10.0,
         memory_limit: int = 1 << 30,
+        builder: ModelBuilder | None = None,
     ) -> None:
+        if flat is None and builder is None:
+            raise ConfigError("devices need a model or a builder that makes each job's model from its spec")
+        self.builder = builder
+        self._built: dict[str, tuple[FlatModel, Any, bool | None]] = {}
         self.flat = flat
         self.pairs = dict(pairs)
         self.time_limit = time_limit
@@ -517,8 +532,18 @@ class PolicyDevices:
     def _start(self, msgs: Mapping[ClientId, JobStart]) -> dict[ClientId, object]:
         out: dict[ClientId, object] = {}
         self.prepared = {}
+        self.trainer = None
         users = []
         job = next(iter(msgs.values()))
+        if self.builder is not None and job.model:
+            try:
+                if job.model not in self._built:
+                    self._built = {job.model: self.builder(job.model)}
+                self.flat, self.loss, self.batched = self._built[job.model]
+            except (ConfigError, ValidationError) as exc:
+                return {c: JobReady(m.job, False, f"model refused: {exc}", "", 0) for c, m in msgs.items()}
+        elif self.flat is None:
+            return {c: JobReady(m.job, False, "the job names no model", "", 0) for c, m in msgs.items()}
         for cid, m in msgs.items():
             try:
                 pair = self._prepare(cid, m)
@@ -532,8 +557,8 @@ class PolicyDevices:
         transform = None
         if job.clip_norm > 0:
             transform = ClipAndNoise(job.clip_norm, job.local_noise_std, 1)
-        self.trainer = None
         if users:
+            assert self.flat is not None
             self.trainer = ModelClients(
                 self.flat,
                 FederatedDataset(users),
@@ -589,10 +614,11 @@ async def run_stage(
     dp_mode: str,
     rng: np.random.Generator,
     on_round: Callable[[int, RoundReport], None] | None = None,
+    model_spec: str = "",
 ) -> StageResult:
-    """Run one ``runFL`` stage on the engine (module docstring): start the job on the stage's devices,
-    train ``stage.rounds`` rounds from ``model``'s value, record each round in ``ledger`` and return the
-    model's advanced pair."""
+    """Run one ``runFL`` stage on the engine (module docstring): start the job on the stage's devices
+    (``model_spec``: the model networked devices build, :class:`JobStart`), train ``stage.rounds`` rounds
+    from ``model``'s value, record each round in ``ledger`` and return the model's advanced pair."""
     if dp_mode not in DP_MODES:
         raise ConfigError(f"dp mode {dp_mode!r} is not one of {', '.join(DP_MODES)}")
     dp = stage.noise_std is not None
@@ -602,7 +628,12 @@ async def run_stage(
     local_std = stage.noise_std / math.sqrt(m) if dp and dp_mode == "local" else 0.0
     starts = {
         c: JobStart(
-            job, g.commands, g.program, float(clip_norm or 0.0) if dp else 0.0, float(local_std or 0.0)
+            job,
+            g.commands,
+            g.program,
+            float(clip_norm or 0.0) if dp else 0.0,
+            float(local_std or 0.0),
+            model_spec,
         )
         for g in stage.groups
         for c in g.members

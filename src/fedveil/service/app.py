@@ -65,8 +65,9 @@ CSP = "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action '
 class ServiceSettings:
     """Where the service keeps its database (a path: SQLite; or a URL) and job files, the simulated
     device ``population``, the largest request body, whether it is served over TLS (cookies are then
-    ``Secure``), whether to run jobs (tests of the API alone may not) and how long a job's global
-    program may run by itself (its calls into the server not counted)."""
+    ``Secure``), whether to run jobs (tests of the API alone may not), how long a job's global
+    program may run by itself (its calls into the server not counted) and, for a networked population,
+    the device port (``HOST:PORT``) and the PKI directory whose CA signs the devices' certificates."""
 
     db: str
     folder: Path
@@ -75,6 +76,8 @@ class ServiceSettings:
     tls: bool = True
     run_jobs: bool = True
     program_seconds: float = 10.0
+    devices_listen: str | None = None
+    pki: Path | None = None
 
 
 class JobStatus(BaseModel):
@@ -205,8 +208,19 @@ def create_app(settings: ServiceSettings) -> FastAPI:
     from fedveil.service.jobs import ensure_population
 
     ensure_population(engine, settings.population)
+    devices = None
+    if settings.population.networked:
+        from fedveil.service.network import DeviceNetwork
+
+        if settings.devices_listen is None or settings.pki is None:
+            raise ConfigError("networked devices need a device port (HOST:PORT) and a PKI directory")
+        devices = DeviceNetwork(engine, settings.devices_listen, settings.pki, settings.population.kind)
     runner = JobRunner(
-        engine, settings.population, settings.folder / "jobs", program_seconds=settings.program_seconds
+        engine,
+        settings.population,
+        settings.folder / "jobs",
+        program_seconds=settings.program_seconds,
+        devices=devices,
     )
     runner.recover()
     templates = Environment(
@@ -215,10 +229,15 @@ def create_app(settings: ServiceSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if devices is not None:
+            port = devices.start()
+            print(f"fedveil serve: device agents connect to port {port} (mutual TLS)", flush=True)
         if settings.run_jobs:
             runner.start()
         yield
         runner.stop()
+        if devices is not None:
+            devices.stop()
 
     app = FastAPI(
         title="fedveil PoliFL service",
@@ -228,6 +247,7 @@ def create_app(settings: ServiceSettings) -> FastAPI:
     )
     app.state.engine = engine
     app.state.runner = runner
+    app.state.devices = devices
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
 
     @app.middleware("http")
@@ -634,7 +654,16 @@ def _install_dashboard(
                 .all()
             )
             groups = conn.execute(sa.select(db.groups).order_by(db.groups.c.name)).mappings().all()
-        return page("devices.html", s=s, devices=rows, groups=groups, population=settings.population)
+        network = app.state.devices
+        connected = set(network.connected()) if network is not None else None
+        return page(
+            "devices.html",
+            s=s,
+            devices=rows,
+            groups=groups,
+            population=settings.population,
+            connected=connected,
+        )
 
     @app.post("/admin/devices/{device_id}", include_in_schema=False)
     async def move_device(request: Request, device_id: RowId) -> Response:

@@ -56,6 +56,7 @@ __all__ = [
     "Population",
     "Refused",
     "ensure_population",
+    "population_values",
     "validate",
 ]
 
@@ -130,16 +131,19 @@ class Refused(FedveilError):
 class Population:
     """The devices this service trains on: ``size`` simulated devices of a ``kind`` (``mpu``: the
     SYNTHETIC MPU population; ``images``: Fashion-MNIST when installed, else synthetic; ``text``: Debian's
-    license texts), drawn with ``seed``. Each device holds its own data; the server never reads it."""
+    license texts), drawn with ``seed``, or (``networked``) device agents holding ``kind`` data that
+    connect over the network (:mod:`fedveil.service.network`; ``size`` is then unused). Each device holds
+    its own data and enforces its policy on it."""
 
     kind: str = "mpu"
     size: int = 40
     seed: int = 0
+    networked: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"population kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if not 4 <= self.size <= 100_000:
+        if not self.networked and not 4 <= self.size <= 100_000:
             raise ConfigError(f"population size {self.size} must be between 4 and 100000")
 
     @classmethod
@@ -175,7 +179,7 @@ def _run_of(
     return PolifLRun(
         name=request.name,
         task=population.kind,
-        clients=population.size,
+        clients=population.size if not population.networked else max(4, 2 * len(request.groups)),
         samples_per_client=100,
         test_samples=500,
         model=request.model if population.kind == "images" else "lenet",
@@ -200,8 +204,8 @@ def _run_of(
     )
 
 
-def population_ids(population: Population) -> list[str]:
-    """The device ids of the population (deterministic in its seed)."""
+def population_values(population: Population) -> dict[str, dict[str, Any]]:
+    """Each device's data in the population (deterministic in its seed)."""
     from fedveil.experiments.polifl import build_task
 
     request = JobRequest(
@@ -210,14 +214,16 @@ def population_ids(population: Population) -> list[str]:
         model=MODELS[population.kind][0],
         groups=[GroupRequest(name="all")],
     )
-    return sorted(build_task(_run_of(population, request, {"all": "get_data.runFL.return"}, None)).values)
+    return build_task(_run_of(population, request, {"all": "get_data.runFL.return"}, None)).values
 
 
 def ensure_population(engine: Engine, population: Population) -> int:
     """Register the population's devices (once; a restart finds them); returns how many were added."""
     with engine.connect() as conn:
         have = {r[0] for r in conn.execute(sa.select(db.devices.c.name))}
-    new = [d for d in population_ids(population) if d not in have]
+    if population.networked:
+        return 0
+    new = [d for d in sorted(population_values(population)) if d not in have]
     if new:
         with engine.begin() as conn:
             conn.execute(
@@ -273,7 +279,7 @@ def validate(
     """Check ``request`` against the policies without training (module docstring); returns the plan
     (stages, planned rounds, predicted epsilon per group); :class:`Refused` names what refuses it.
     ``program_seconds``: the global program's own running time limit (its host calls not counted)."""
-    from fedveil.experiments.polifl import build_task, run_strategy
+    from fedveil.experiments.polifl import build_task, network_task, run_strategy
 
     if request.model not in MODELS[population.kind]:
         raise Refused(
@@ -290,7 +296,7 @@ def validate(
                 raise Refused(str(exc), 422) from None
     run = _run_of(population, request, policies, members, program_seconds)
     try:
-        task = build_task(run, members)
+        task = network_task(run, members) if population.networked else build_task(run, members)
     except PolicyViolation as exc:
         raise Refused(f"the policies refuse this job before it runs: {exc}", 403) from None
     with tempfile.TemporaryDirectory(prefix="fedveil-dry-") as tmp:
@@ -335,12 +341,20 @@ def audit(engine: Engine, actor: str, action: str, detail: str) -> None:
 
 class JobRunner:
     """Runs queued jobs one at a time on a daemon thread (module docstring); ``folder`` holds each job's
-    files (``folder/<id>/``); ``program_seconds`` as in :func:`validate`."""
+    files (``folder/<id>/``); ``program_seconds`` as in :func:`validate`; ``devices``: the service's
+    :class:`~fedveil.service.network.DeviceNetwork` when its devices are networked agents."""
 
     def __init__(
-        self, engine: Engine, population: Population, folder: Path, *, program_seconds: float = 10.0
+        self,
+        engine: Engine,
+        population: Population,
+        folder: Path,
+        *,
+        program_seconds: float = 10.0,
+        devices: Any = None,
     ) -> None:
         self.program_seconds = program_seconds
+        self.devices = devices
         self.engine = engine
         self.population = population
         self.folder = Path(folder)
@@ -411,6 +425,7 @@ class JobRunner:
     def run(self, job_id: int) -> None:
         """Run (or resume) one job to its end and record the outcome."""
         from fedveil.experiments.polifl import build_task, run_strategy
+        from fedveil.service.network import timing_summary
 
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(db.jobs).where(db.jobs.c.id == job_id)).mappings().one()
@@ -429,11 +444,15 @@ class JobRunner:
                 last[0] = time.monotonic()
             _set(self.engine, job_id, progress=json.dumps(progress, default=float))
 
+        timings: list[Any] = []
         try:
             policies, members = _context(self.engine, int(row["application_id"]), request)
             run = _run_of(self.population, request, policies, members, self.program_seconds)
-            task = build_task(run, members)
-            summary = run_strategy(run, task, "program", out, progress=False, on_round=on_round)
+            if self.devices is None:
+                task = build_task(run, members)
+                summary = run_strategy(run, task, "program", out, progress=False, on_round=on_round)
+            else:
+                task, summary = self._run_networked(run, members, out, on_round, timings)
         except Cancelled as exc:
             status = "cancelled" if str(exc) == "cancelled" else "interrupted"
             _set(self.engine, job_id, status=status)
@@ -454,6 +473,7 @@ class JobRunner:
             )
             return
         outcome: dict[str, Any] = {
+            "timings_ms": timing_summary(timings) if timings else None,
             "released": summary["released"],
             "reason": summary["stopped"],
             "rounds": summary["rounds"],
@@ -463,7 +483,7 @@ class JobRunner:
             "stages": summary["stages"],
         }
         if summary["released"]:
-            self._export(task, out)
+            self._export(task.flat, out)
         elif summary["stopped"] and "sandbox" in summary["stopped"].lower():
             audit(self.engine, f"job {job_id}", "sandbox refusal", summary["stopped"])
         _set(
@@ -477,15 +497,43 @@ class JobRunner:
         )
         log.info("job %d finished (released: %s)", job_id, summary["released"])
 
+    def _run_networked(
+        self, run: Any, members: dict[str, list[str]], out: Path, on_round: Any, timings: list[Any]
+    ) -> tuple[Any, dict[str, Any]]:
+        """A job's task and its stages' summary over the device port, with each group's connected
+        members."""
+        from fedveil.experiments.polifl import network_task, run_strategy
+
+        assert self.devices is not None
+        connected = set(self.devices.connected())
+        present = {g: [d for d in ds if d in connected] for g, ds in members.items()}
+        absent = sorted(g for g, ds in present.items() if not ds)
+        if absent:
+            raise ConfigError(f"no device of group(s) {', '.join(absent)} is connected: start their agents")
+        start = len(self.devices.runtime.stats().timings)
+        task = network_task(run, present)
+        try:
+            return task, run_strategy(
+                run,
+                task,
+                "program",
+                out,
+                progress=False,
+                on_round=on_round,
+                network=self.devices.network(),
+            )
+        finally:
+            timings.extend(self.devices.timings_since(start))
+
     @staticmethod
-    def _export(task: Any, out: Path) -> None:
+    def _export(model: Any, out: Path) -> None:
         import numpy as np
 
         from fedveil.models.weights import save_weights
 
         with np.load(out / "program" / "weights.npz", allow_pickle=False) as z:
             weights = np.asarray(z["weights"], dtype=np.float32)
-        save_weights(task.flat.load_into_module(weights), out / "model.safetensors")
+        save_weights(model.load_into_module(weights), out / "model.safetensors")
 
     def model_path(self, job_id: int) -> Path:
         """Where a released job's model is."""

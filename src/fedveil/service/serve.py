@@ -6,7 +6,9 @@ PKI made on first start (``fedveil certs init``'s layout) whose server certifica
 The first start with no administrator creates one: its password comes from ``FEDVEIL_ADMIN_PASSWORD``,
 or is generated and printed once. The socket is bound before uvicorn starts, so ``--listen HOST:0``
 picks a free port and the first line printed says which; ``--stop-after`` ends the service by itself
-(tests, demos).
+(tests, demos). ``--devices-listen`` opens the device port: the population is then the device agents
+that connect with certificates of this PKI (``fedveil certs device NAME``), holding ``--population``'s kind
+of data.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class ServeOptions:
     stop_after: float | None = None
     max_body_bytes: int = 1 << 20
     demo: bool = False
+    devices_listen: str | None = None
 
 
 def bootstrap_admin(engine: object, name: str) -> str | None:
@@ -87,7 +90,11 @@ def serve(options: ServeOptions) -> int:
         raise ConfigError(f"--stop-after {options.stop_after!r} must be > 0 seconds")
     options.folder.mkdir(parents=True, exist_ok=True)
     url = options.db or str(options.folder / "fedveil.db")
-    population = Population.parse(options.population)
+    if options.devices_listen is not None:
+        parse_listen(options.devices_listen)
+        population = Population(options.population.partition(":")[0], 4, networked=True)
+    else:
+        population = Population.parse(options.population)
     engine = db.connect(url)
     db.migrate(engine)
     password = bootstrap_admin(engine, options.admin)
@@ -99,8 +106,9 @@ def serve(options: ServeOptions) -> int:
         )
     engine.dispose()
     tls: dict[str, str] = {}
+    root = _pki(options, host) if not options.insecure or options.devices_listen else None
     if not options.insecure:
-        root = _pki(options, host)
+        assert root is not None
         tls = {"ssl_keyfile": str(root / "server.key"), "ssl_certfile": str(root / "server.crt")}
     else:
         print("fedveil serve: WARNING: --insecure: plaintext HTTP, tokens travel in clear", file=sys.stderr)
@@ -110,6 +118,8 @@ def serve(options: ServeOptions) -> int:
         population=population,
         max_body_bytes=options.max_body_bytes,
         tls=not options.insecure,
+        devices_listen=options.devices_listen,
+        pki=root,
     )
     app = create_app(settings)
     if options.demo:
