@@ -199,7 +199,7 @@ def test_sandbox_escapes_fail_the_job_and_leave_the_service_running(
     assert r.status_code in (403, 422), r.text
     assert time.monotonic() - started < 90
     status = client.get(f"/api/v1/jobs/{r.json()['job']}", headers=_auth(token)).json()
-    assert status["status"] == "refused"
+    assert status["status"] == "failed" and status["progress"] is None
     with app.state.engine.connect() as conn:
         logged = [row.detail for row in conn.execute(sa.select(db.audit))]
     assert any(f"job {r.json()['job']}:" in d for d in logged)
@@ -234,7 +234,7 @@ def test_abuse_oversize_malformed_and_injection_shaped_input(service) -> None:
     )
     assert r.status_code == 404
     status = client.get(f"/api/v1/jobs/{r.json()['job']}", headers=_auth(token)).json()
-    assert status["status"] == "refused"
+    assert status["status"] == "failed" and status["progress"] is None
     with app.state.engine.connect() as conn:
         stored = conn.execute(sa.select(db.jobs.c.request).where(db.jobs.c.id == r.json()["job"])).scalar()
         assert json.loads(stored)["global_program"] == program

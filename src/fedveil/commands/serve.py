@@ -38,6 +38,11 @@ def register(subparsers: Any) -> None:
         default=None,
         help="device port HOST:PORT: devices are agents (fedveil polifl agent) holding --population's kind",
     )
+    p.add_argument(
+        "--enrol-listen",
+        default=None,
+        help="enrolment port HOST:PORT (tokens: fedveil certs token NAME --dir DATA/pki)",
+    )
     p.add_argument("--admin", default="admin", help="name of the first administrator, made on first start")
     p.add_argument(
         "--demo", action="store_true", help="on first start: demo application, groups and policies"
@@ -62,5 +67,6 @@ def run(args: argparse.Namespace) -> int:
             stop_after=args.stop_after,
             demo=args.demo,
             devices_listen=args.devices_listen,
+            enrol_listen=args.enrol_listen,
         )
     )

@@ -67,7 +67,8 @@ class ServiceSettings:
     device ``population``, the largest request body, whether it is served over TLS (cookies are then
     ``Secure``), whether to run jobs (tests of the API alone may not), how long a job's global
     program may run by itself (its calls into the server not counted) and, for a networked population,
-    the device port (``HOST:PORT``) and the PKI directory whose CA signs the devices' certificates."""
+    the device port (``HOST:PORT``), the enrolment port (one-time tokens exchanged for certificates) and
+    the PKI directory whose CA signs the devices' certificates."""
 
     db: str
     folder: Path
@@ -77,6 +78,7 @@ class ServiceSettings:
     run_jobs: bool = True
     program_seconds: float = 10.0
     devices_listen: str | None = None
+    enrol_listen: str | None = None
     pki: Path | None = None
 
 
@@ -214,7 +216,13 @@ def create_app(settings: ServiceSettings) -> FastAPI:
 
         if settings.devices_listen is None or settings.pki is None:
             raise ConfigError("networked devices need a device port (HOST:PORT) and a PKI directory")
-        devices = DeviceNetwork(engine, settings.devices_listen, settings.pki, settings.population.kind)
+        devices = DeviceNetwork(
+            engine,
+            settings.devices_listen,
+            settings.pki,
+            settings.population.kind,
+            enrol_listen=settings.enrol_listen,
+        )
     runner = JobRunner(
         engine,
         settings.population,
@@ -328,7 +336,7 @@ def create_app(settings: ServiceSettings) -> FastAPI:
             refused = exc
         except FedveilError as exc:
             refused = Refused(str(exc), 422)
-        status = "queued" if refused is None else "refused"
+        status = "queued" if refused is None else ("failed" if refused.program_failed else "refused")
         outcome = None if refused is None else json.dumps({"released": False, "reason": str(refused)})
         with engine.begin() as conn:
             job_id = conn.execute(
@@ -344,9 +352,7 @@ def create_app(settings: ServiceSettings) -> FastAPI:
                 )
             ).inserted_primary_key[0]
         if refused is not None:
-            action = (
-                "sandbox refusal" if "refused:" in str(refused) and refused.status == 422 else "job refused"
-            )
+            action = "program failed" if refused.program_failed else "job refused"
             audit(engine, f"application {app_id}", action, f"job {job_id}: {refused}")
             log.warning("job %d refused: %s", job_id, refused)
             return JSONResponse({"detail": str(refused), "job": job_id}, status_code=refused.status)

@@ -120,11 +120,14 @@ class JobRequest(BaseModel):
 
 class Refused(FedveilError):
     """A job the service will not run: ``status`` is the HTTP status to answer with (403 for a policy's
-    refusal, 422 for a program that does not compile or escapes the sandbox, 404/409 for groups)."""
+    refusal, 422 for a bad request or a program that does not compile or escapes the sandbox, 404/409
+    for groups); ``program_failed``: the job's own program failed (the job is then stored as ``failed``,
+    not ``refused``)."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, *, program_failed: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.program_failed = program_failed
 
 
 @dataclass(frozen=True)
@@ -293,7 +296,7 @@ def validate(
             try:
                 compile_program(text, f"{request.name}/{what}")
             except SandboxError as exc:
-                raise Refused(str(exc), 422) from None
+                raise Refused(str(exc), 422, program_failed=True) from None
     run = _run_of(population, request, policies, members, program_seconds)
     try:
         task = network_task(run, members) if population.networked else build_task(run, members)
@@ -304,7 +307,8 @@ def validate(
     if summary["refusals"]:
         raise Refused(f"the policies refuse this job before it runs: {summary['refusals'][0]}", 403)
     if not summary["released"]:
-        raise Refused(f"the job cannot run: {summary['stopped'] or 'the program released no model'}", 422)
+        reason = summary["stopped"] or "the program released no model"
+        raise Refused(f"the job cannot run: {reason}", 422, program_failed=True)
     return {
         "stages": [
             {
@@ -484,8 +488,8 @@ class JobRunner:
         }
         if summary["released"]:
             self._export(task.flat, out)
-        elif summary["stopped"] and "sandbox" in summary["stopped"].lower():
-            audit(self.engine, f"job {job_id}", "sandbox refusal", summary["stopped"])
+        else:
+            audit(self.engine, f"job {job_id}", "model not released", str(summary["stopped"]))
         _set(
             self.engine,
             job_id,

@@ -7,8 +7,8 @@ The first start with no administrator creates one: its password comes from ``FED
 or is generated and printed once. The socket is bound before uvicorn starts, so ``--listen HOST:0``
 picks a free port and the first line printed says which; ``--stop-after`` ends the service by itself
 (tests, demos). ``--devices-listen`` opens the device port: the population is then the device agents
-that connect with certificates of this PKI (``fedveil certs device NAME``), holding ``--population``'s kind
-of data.
+that connect with certificates of this PKI (``fedveil certs device NAME``, or enrolment tokens on
+``--enrol-listen``), holding ``--population``'s kind of data.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     demo: bool = False
     devices_listen: str | None = None
+    enrol_listen: str | None = None
 
 
 def bootstrap_admin(engine: object, name: str) -> str | None:
@@ -90,6 +91,8 @@ def serve(options: ServeOptions) -> int:
         raise ConfigError(f"--stop-after {options.stop_after!r} must be > 0 seconds")
     options.folder.mkdir(parents=True, exist_ok=True)
     url = options.db or str(options.folder / "fedveil.db")
+    if options.enrol_listen is not None and options.devices_listen is None:
+        raise ConfigError("--enrol-listen enrols networked devices: give --devices-listen too")
     if options.devices_listen is not None:
         parse_listen(options.devices_listen)
         population = Population(options.population.partition(":")[0], 4, networked=True)
@@ -119,6 +122,7 @@ def serve(options: ServeOptions) -> int:
         max_body_bytes=options.max_body_bytes,
         tls=not options.insecure,
         devices_listen=options.devices_listen,
+        enrol_listen=options.enrol_listen,
         pki=root,
     )
     app = create_app(settings)
