@@ -234,7 +234,7 @@ def test_abuse_oversize_malformed_and_injection_shaped_input(service) -> None:
     )
     assert r.status_code == 404
     status = client.get(f"/api/v1/jobs/{r.json()['job']}", headers=_auth(token)).json()
-    assert status["status"] == "failed" and status["progress"] is None
+    assert status["status"] == "refused"
     with app.state.engine.connect() as conn:
         stored = conn.execute(sa.select(db.jobs.c.request).where(db.jobs.c.id == r.json()["job"])).scalar()
         assert json.loads(stored)["global_program"] == program

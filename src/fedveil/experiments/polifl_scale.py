@@ -72,12 +72,12 @@ from fedveil.errors import ConfigError, ValidationError
 from fedveil.experiments.bench_network import agent_processes, percentiles, throwaway_pki, wait_connected
 from fedveil.experiments.polifl import GroupSpec, PolifLRun, Task, build_task
 from fedveil.models.flat import FlatModel
-from fedveil.privacy.pairs import DataPolicyPair, PolicyViolation
-from fedveil.privacy.policy import ZERO, Call, derivative, parse, show
+from fedveil.privacy.pairs import DataPolicyPair
+from fedveil.privacy.policy import parse
 from fedveil.protocols.fedavg import ModelClients, ParameterPlan
 from fedveil.protocols.local import LocalOptimizer
 from fedveil.protocols.messages import FitReply, FitRequest
-from fedveil.protocols.polifl import JobReady, JobStart, PolicyDevices
+from fedveil.protocols.polifl import JobStart, PolicyDevices
 
 __all__ = [
     "PAPER",
@@ -195,31 +195,16 @@ class ReplayDevices(PolicyDevices):
     def _start(self, msgs: Mapping[ClientId, JobStart]) -> dict[ClientId, object]:
         # PolicyDevices' job start (the same device commands through the same library and policy check)
         # without building a local trainer: replay devices never train.
-        out: dict[ClientId, object] = {}
-        self.prepared = {}
-        for cid, m in msgs.items():
-            try:
-                pair = self._prepare(cid, m)
-            except (PolicyViolation, ValidationError) as exc:
-                out[cid] = JobReady(m.job, False, str(exc), "", 0)
-                continue
-            self.prepared[cid] = pair
-            out[cid] = JobReady(m.job, True, "", show(pair.policy), len(pair._value()["y"]))
-        return out
+        return self._admit(msgs)
 
     def _fit(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
-        out: dict[ClientId, object] = {}
-        for cid, m in msgs.items():
-            pair = self.prepared.get(cid)
-            if pair is None:
-                out[cid] = PolicyViolation(f"device {cid} has accepted no job; it trains nothing")
-            elif derivative(pair.policy, Call("runFL")) == ZERO:
-                out[cid] = PolicyViolation(f"device {cid}'s policy no longer allows runFL")
-            elif not isinstance(m, FitRequest) or m.weights.shape != self.update.shape:
+        out, allowed = self._permitted(msgs)
+        for cid, m in allowed.items():
+            if not isinstance(m, FitRequest) or m.weights.shape != self.update.shape:
                 out[cid] = ValidationError(f"device {cid} replays updates of shape {self.update.shape} only")
             else:
                 self._sleep(self.tte.get(cid, 0.0))
-                n = len(pair._value()["y"])
+                n = len(self.prepared[cid]._value()["y"])
                 out[cid] = FitReply(m.round, n, self.update_loss, np.asarray(m.weights) + self.update)
         return out
 

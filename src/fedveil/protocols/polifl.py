@@ -529,11 +529,24 @@ class PolicyDevices:
             memory_limit=self.memory_limit,
         )
 
-    def _start(self, msgs: Mapping[ClientId, JobStart]) -> dict[ClientId, object]:
+    def _admit(self, msgs: Mapping[ClientId, JobStart]) -> dict[ClientId, object]:
+        """Each device's preparation for the job through the library and its policy: a :class:`JobReady`
+        per device, and :attr:`prepared` holds the pairs of the devices that accepted."""
         out: dict[ClientId, object] = {}
         self.prepared = {}
+        for cid, m in msgs.items():
+            try:
+                pair = self._prepare(cid, m)
+            except (PolicyViolation, ValidationError) as exc:
+                out[cid] = JobReady(m.job, False, str(exc), "", 0)
+                continue
+            self.prepared[cid] = pair
+            out[cid] = JobReady(m.job, True, "", show(pair.policy), len(pair._value()["y"]))
+        return out
+
+    def _start(self, msgs: Mapping[ClientId, JobStart]) -> dict[ClientId, object]:
+        self.prepared = {}
         self.trainer = None
-        users = []
         job = next(iter(msgs.values()))
         if self.builder is not None and job.model:
             try:
@@ -544,16 +557,11 @@ class PolicyDevices:
                 return {c: JobReady(m.job, False, f"model refused: {exc}", "", 0) for c, m in msgs.items()}
         elif self.flat is None:
             return {c: JobReady(m.job, False, "the job names no model", "", 0) for c, m in msgs.items()}
-        for cid, m in msgs.items():
-            try:
-                pair = self._prepare(cid, m)
-            except (PolicyViolation, ValidationError) as exc:
-                out[cid] = JobReady(m.job, False, str(exc), "", 0)
-                continue
-            self.prepared[cid] = pair
-            value = pair._value()
-            users.append(UserData(cid, {}, {"x": np.asarray(value["x"]), "y": np.asarray(value["y"])}))
-            out[cid] = JobReady(m.job, True, "", show(pair.policy), len(value["y"]))
+        out = self._admit(msgs)
+        users = [
+            UserData(cid, {}, {"x": np.asarray(pair._value()["x"]), "y": np.asarray(pair._value()["y"])})
+            for cid, pair in self.prepared.items()
+        ]
         transform = None
         if job.clip_norm > 0:
             transform = ClipAndNoise(job.clip_norm, job.local_noise_std, 1)
@@ -570,17 +578,25 @@ class PolicyDevices:
             )
         return out
 
-    def _fit(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
+    def _permitted(
+        self, msgs: Mapping[ClientId, object]
+    ) -> tuple[dict[ClientId, object], dict[ClientId, object]]:
+        """(refusals, requests to serve): a device trains only for a job it accepted, and only while its
+        pair's policy admits ``runFL``."""
         out: dict[ClientId, object] = {}
-        allowed = {}
+        allowed: dict[ClientId, object] = {}
         for cid, m in msgs.items():
             pair = self.prepared.get(cid)
-            if pair is None or self.trainer is None:
+            if pair is None:
                 out[cid] = PolicyViolation(f"device {cid} has accepted no job; it trains nothing")
             elif derivative(pair.policy, Call("runFL")) == ZERO:
                 out[cid] = PolicyViolation(f"device {cid}'s policy no longer allows runFL")
             else:
                 allowed[cid] = m
+        return out, allowed
+
+    def _fit(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
+        out, allowed = self._permitted(msgs)
         if allowed:
             assert self.trainer is not None
             out.update(self.trainer.handle_batch(allowed))

@@ -430,6 +430,15 @@ def create_app(settings: ServiceSettings) -> FastAPI:
     return app
 
 
+def _named_policies() -> sa.Select[Any]:
+    """Policies with their application's and group's names (``app``, ``group``)."""
+    return (
+        sa.select(db.policies, db.applications.c.name.label("app"), db.groups.c.name.label("group"))
+        .join(db.applications, db.applications.c.id == db.policies.c.application_id)
+        .join(db.groups, db.groups.c.id == db.policies.c.group_id)
+    )
+
+
 def _budget(text: str) -> float | None:
     try:
         return budget_of(parse(text))
@@ -515,14 +524,7 @@ def _install_dashboard(
             toks = conn.execute(sa.select(db.tokens).order_by(db.tokens.c.id)).mappings().all()
             groups = conn.execute(sa.select(db.groups).order_by(db.groups.c.name)).mappings().all()
             pols = (
-                conn.execute(
-                    sa.select(
-                        db.policies, db.applications.c.name.label("app"), db.groups.c.name.label("group")
-                    )
-                    .join(db.applications, db.applications.c.id == db.policies.c.application_id)
-                    .join(db.groups, db.groups.c.id == db.policies.c.group_id)
-                    .order_by(db.applications.c.name, db.groups.c.name)
-                )
+                conn.execute(_named_policies().order_by(db.applications.c.name, db.groups.c.name))
                 .mappings()
                 .all()
             )
@@ -727,18 +729,7 @@ def _install_dashboard(
 
     def policy_row(policy_id: int) -> Any:
         with engine.connect() as conn:
-            row = (
-                conn.execute(
-                    sa.select(
-                        db.policies, db.applications.c.name.label("app"), db.groups.c.name.label("group")
-                    )
-                    .join(db.applications, db.applications.c.id == db.policies.c.application_id)
-                    .join(db.groups, db.groups.c.id == db.policies.c.group_id)
-                    .where(db.policies.c.id == policy_id)
-                )
-                .mappings()
-                .first()
-            )
+            row = conn.execute(_named_policies().where(db.policies.c.id == policy_id)).mappings().first()
         if row is None:
             raise HTTPException(404, f"there is no policy {policy_id}")
         return row
