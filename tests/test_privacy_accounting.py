@@ -235,3 +235,14 @@ def test_unsupported_combinations_name_the_alternative():
 def test_bad_input_fails_before_anything_runs(make, match):
     with pytest.raises(ConfigError, match=match):
         make()
+
+
+def test_the_kept_subsampled_gaussian_pld_does_not_change_later_answers() -> None:
+    """The cached one-release PLD is composed, never changed: asking for more rounds, then fewer, gives
+    what a fresh computation gives."""
+    from fedveil.privacy.accounting import _subsampled_gaussian_pld
+
+    asked = [epsilon_of([GaussianRelease(1.1, 0.2, n)], 1e-5) for n in (7, 3, 7)]
+    _subsampled_gaussian_pld.cache_clear()
+    fresh = [epsilon_of([GaussianRelease(1.1, 0.2, n)], 1e-5) for n in (7, 3)]
+    assert asked == [fresh[0], fresh[1], fresh[0]]
