@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
     r.add_argument("--workers", type=int, default=None, help="processes training methods side by side")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_network_arguments(r, default_agents=4, clients="users")
+    add_network_arguments(r, default_agents=4, clients="users", ray=False)
     a = actions.add_parser("agent", help="run users of a FedUV run as a device agent (docs/deployment.md)")
     a.add_argument("--server", required=True, help="the server's HOST:PORT")
     a.add_argument("--config", type=Path, required=True, help="the run's config (its config.json)")

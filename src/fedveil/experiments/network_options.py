@@ -10,16 +10,33 @@ from typing import Any
 from fedveil.errors import ConfigError
 
 
-def add_network_arguments(parser: argparse.ArgumentParser, *, default_agents: int, clients: str) -> None:
-    """``--runtime``, ``--agents``, ``--listen``, ``--pki`` and ``--wait``; ``clients`` names what the
-    devices are in the help text (e.g. "devices", "users")."""
+def add_network_arguments(
+    parser: argparse.ArgumentParser, *, default_agents: int, clients: str, ray: bool = True
+) -> None:
+    """``--runtime``, ``--agents``, ``--listen``, ``--pki`` and ``--wait`` (and, with ``ray``, the Ray
+    runtime's ``--address`` and ``--actors``); ``clients`` names what the devices are in the help text
+    (e.g. "devices", "users")."""
+    on_ray = f"; ray: the simulation with the {clients} sharded over Ray actors (fedveil[ray])" if ray else ""
     parser.add_argument(
         "--runtime",
-        choices=("simulation", "network"),
+        choices=("simulation", "network", "ray") if ray else ("simulation", "network"),
         default="simulation",
         help=f"simulation: in-process {clients} (default); network: a gRPC server and device agents over "
-        "mutual TLS",
+        f"mutual TLS{on_ray}",
     )
+    if ray:
+        parser.add_argument(
+            "--address",
+            default=None,
+            help="with --runtime ray: the Ray head's HOST:PORT, or auto (default: start a local cluster)",
+        )
+        parser.add_argument(
+            "--actors",
+            type=int,
+            default=2,
+            metavar="N",
+            help="with --runtime ray: actors holding the clients",
+        )
     parser.add_argument(
         "--agents",
         type=int,
@@ -51,3 +68,14 @@ def network_plan(args: argparse.Namespace) -> Any:
     from fedveil.experiments.network_run import NetworkPlan
 
     return NetworkPlan(listen=args.listen, pki=args.pki, agents=args.agents, wait_seconds=args.wait)
+
+
+def ray_plan(args: argparse.Namespace) -> Any:
+    """The :class:`fedveil.experiments.runner.RayPlan` the options ask for, or None."""
+    if args.runtime != "ray":
+        return None
+    if args.actors < 1:
+        raise ConfigError(f"--actors {args.actors} must be >= 1")
+    from fedveil.experiments.runner import RayPlan
+
+    return RayPlan(address=args.address, actors=args.actors)

@@ -9,6 +9,7 @@ plots (``loss.png``, ``accuracy.png``, ``roc.png``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import signal
@@ -161,6 +162,7 @@ def build_trainer(
     runtime: Any = None,
     platform: SimulatedPlatform | None = None,
     dp_seed: int | None = None,
+    ray: RayPlan | None = None,
 ) -> Trainer:
     """Server and runtime for ``cfg.protocol``, seeded from ``cfg.seed``; ``dp`` makes the FDML enclave
     release derivatives by Alg. 2; ``tap(direction, data)`` sees every byte string the server handles
@@ -170,7 +172,9 @@ def build_trainer(
     here too, pinned to a fresh simulated platform, and DP noise is seeded by ``dp_seed``, default
     ``cfg.seed``, for reproducibility). With a network ``runtime`` the devices are elsewhere: the
     enclave is launched by ``platform`` (whose public key the devices pin) and ``dp_seed`` must be
-    None: DP noise in a deployment comes from the operating system's entropy.
+    None: DP noise in a deployment comes from the operating system's entropy. With ``ray`` the simulated
+    clients live in Ray actors (:mod:`fedveil.runtime.ray`), each building its shard from ``cfg``
+    (:func:`shard_clients`): the population must be ``build_population(cfg)``'s.
     """
     simulated = runtime is None
     if simulated and dp_seed is None:
@@ -195,7 +199,7 @@ def build_trainer(
             platform = platform or SimulatedPlatform.generate()
             host = EnclaveHost.start(config, platform=platform, boundary=cfg.enclave.boundary, tap=tap)
             enclave = AttestedEnclave(host, record_overhead=RECORD_OVERHEAD + 64)
-            if simulated:
+            if simulated and ray is None:
                 sessions = device_sessions(ids, platform.public_key, measure_enclave(config).digest)
         server: Any = FDMLServer(cfg.fdml, model.initial(), EMBEDDING_DIM, enclave, server_rng)
 
@@ -210,7 +214,12 @@ def build_trainer(
 
     pool = None
     if simulated:
-        pool = build_clients(cfg, population, sessions=sessions)
+        if ray is not None:
+            digest = measure_enclave(config).digest if host is not None else b""
+            key = platform.public_key if platform is not None and host is not None else b""
+            pool = ray.pool(functools.partial(shard_clients, cfg, key, digest), ids)
+        else:
+            pool = build_clients(cfg, population, sessions=sessions)
         runtime = SimulationRuntime(
             pool,
             rng=runtime_rng,
@@ -219,6 +228,31 @@ def build_trainer(
             tap=tap,
         )
     return Trainer(server, runtime, embed_flat, embedding_weights, host, pool)
+
+
+@dataclass(frozen=True)
+class RayPlan:
+    """Simulated clients on a Ray cluster: its head's ``address`` (None: a local cluster), the number of
+    ``actors`` holding the clients, torch ``threads`` per actor."""
+
+    address: str | None = None
+    actors: int = 2
+    threads: int = 1
+
+    def pool(self, factory: Any, ids: list[str]) -> Any:
+        """The :class:`~fedveil.runtime.ray.RayPool` of ``ids``."""
+        from fedveil.runtime.ray import RayPool
+
+        return RayPool(factory, ids, actors=self.actors, address=self.address, threads=self.threads)
+
+
+def shard_clients(cfg: ExperimentConfig, platform_key: bytes, measurement: bytes, ids: list[str]) -> Any:
+    """A Ray actor's client pool: the population built from ``cfg`` and, for FDML through the emulated
+    TEE, the shard's enclave sessions pinned to the platform's public key and the enclave's measurement
+    (as device agents make them: the sessions' keys are made where the clients live)."""
+    population = build_population(cfg)
+    sessions = device_sessions(ids, platform_key, measurement) if platform_key else None
+    return build_clients(cfg, population, sessions=sessions)
 
 
 def uses_enclave(cfg: ExperimentConfig) -> bool:
@@ -301,11 +335,16 @@ def _rewrite_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
 
 
 def _pool_state(pool: Any) -> dict[str, Any]:
+    if hasattr(pool, "rng_states"):
+        return pool.rng_states()
     rngs = getattr(pool, "rngs", None)
     return {c: g.bit_generator.state for c, g in rngs.items()} if rngs else {}
 
 
 def _restore_pool(pool: Any, states: dict[str, Any]) -> None:
+    if hasattr(pool, "set_rng_states"):
+        pool.set_rng_states(states)
+        return
     for cid, state in states.items():
         pool.rngs[cid].bit_generator.state = state
 
@@ -318,6 +357,7 @@ def run_experiment(
     population: Any = None,
     resume: bool = False,
     network: Any = None,
+    ray: RayPlan | None = None,
 ) -> dict[str, Any]:
     """Train and evaluate ``cfg``; write the run directory ``out_dir``; return ``results.json``'s data.
 
@@ -326,8 +366,10 @@ def run_experiment(
     metrics of later rounds are dropped, DP rounds already paid for (``privacy_spent.jsonl``, written
     before each release) stay paid and are never run again under the same number. ``network`` (a
     :class:`fedveil.experiments.network_run.NetworkPlan`) trains over device agents instead of the
-    in-process simulation.
+    in-process simulation; ``ray`` (:class:`RayPlan`) simulates the clients in Ray actors.
     """
+    if network is not None and ray is not None:
+        raise ConfigError("a run goes over the network or on Ray, not both")
     torch.set_num_threads(cfg.runtime.threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -366,6 +408,7 @@ def run_experiment(
         runtime=runtime,
         platform=platform,
         dp_seed=dp_seed,
+        ray=ray,
     )
     if previous is not None:
         trainer.server.load_state_dict(previous.arrays, previous.meta["server"])
@@ -530,7 +573,7 @@ def run_experiment(
     results = {
         "name": cfg.name,
         "protocol": cfg.protocol,
-        "runtime": "network" if network is not None else "simulation",
+        "runtime": "network" if network is not None else ("ray" if ray is not None else "simulation"),
         "rounds": totals["rounds"],
         "rounds_applied": totals["applied"],
         **metrics,
