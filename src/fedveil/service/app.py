@@ -50,7 +50,7 @@ from fedveil import __version__
 from fedveil.errors import ConfigError, FedveilError
 from fedveil.privacy.policy import budget_of, parse, show
 from fedveil.service import auth, db
-from fedveil.service.jobs import JobRequest, JobRunner, Population, Refused, audit, validate
+from fedveil.service.jobs import JobRequest, JobRunner, JobState, Population, Refused, audit, validate
 
 __all__ = ["ServiceSettings", "create_app"]
 
@@ -87,7 +87,7 @@ class JobStatus(BaseModel):
 
     id: int
     name: str
-    status: str
+    status: JobState
     created_at: str
     updated_at: str
     plan: dict[str, Any] | None = None

@@ -24,10 +24,8 @@ model whose release the policies refuse never leaves the service, and the refusa
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import shutil
 import tempfile
 import threading
 import time
@@ -48,11 +46,11 @@ from fedveil.service import db
 __all__ = [
     "KINDS",
     "MODELS",
-    "STATUSES",
     "GroupRequest",
     "Hyper",
     "JobRequest",
     "JobRunner",
+    "JobState",
     "Population",
     "Refused",
     "ensure_population",
@@ -71,7 +69,9 @@ MODELS: dict[str, tuple[str, ...]] = {  # every name here is also in JobRequest.
 """The allow-listed models per population: EngagementNet (LSTM) for MPU, the zoo's LeNets for 28 x 28
 images, the 2-layer next-word LSTM for text."""
 
-STATUSES = ("queued", "running", "finished", "refused", "failed", "cancelled", "interrupted")
+JobState = Literal["queued", "running", "finished", "refused", "failed", "cancelled", "interrupted"]
+"""A job's status: waiting, training, done (released or not), refused by the policies before it ran, its
+program failed, cancelled by its application, or cut by a service stop (resumable)."""
 PROGRAM_CHARS = 64_000
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$"
 
@@ -542,8 +542,3 @@ class JobRunner:
     def model_path(self, job_id: int) -> Path:
         """Where a released job's model is."""
         return self.folder / str(job_id) / "model.safetensors"
-
-    def forget(self, job_id: int) -> None:
-        """Remove a job's files."""
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(self.folder / str(job_id))
