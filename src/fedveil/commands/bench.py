@@ -33,6 +33,7 @@ def register(subparsers: Any) -> None:
     _add_policy(benches)
     _add_polifl(benches)
     _add_dlg(benches)
+    _add_scale(benches)
     parser.set_defaults(func=run)
 
 
@@ -410,6 +411,76 @@ def _run_policy(args: argparse.Namespace) -> int:
         f"{row['library_filter_microseconds_median']:.1f} us against "
         f"{row['direct_filter_microseconds_median']:.1f} us for the zeroing alone"
     )
+    return 0
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: counts must be >= 0")
+    return counts
+
+
+def _add_scale(sub: Any) -> None:
+    p = sub.add_parser(
+        "scale",
+        help="FedAvg rounds/s and memory as registered clients grow, in-process and over Ray actors",
+        description="FedAvg with LeNet (2 conv + 2 FC) on 28x28 images, --per-round clients per round; "
+        "each setting in a fresh process (docs/benchmarks.md, 'Scale').",
+    )
+    p.add_argument("--clients", type=_counts, default=[1_000, 10_000, 100_000], help="in-process settings")
+    p.add_argument("--actors", type=_counts, default=[1, 2, 4], help="Ray settings (empty: no Ray)")
+    p.add_argument("--ray-clients", type=int, default=1_000, help="registered clients on Ray (default 1000)")
+    p.add_argument("--per-round", type=int, default=100, help="clients per round (default 100)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up (default 5)")
+    p.add_argument("--samples", type=int, default=50, help="images per client (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(bench_func=_run_scale)
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    from fedveil.experiments.bench_scale import bench_scale, measure_setting
+
+    _require_positive(args, "ray_clients", "per_round", "rounds", "samples", "threads")
+    if args.one:  # one setting, in this fresh process (bench_scale starts one per setting)
+        row = measure_setting(
+            clients=args.clients[0],
+            per_round=args.per_round,
+            rounds=args.rounds,
+            samples=args.samples,
+            actors=args.actors[0],
+            seed=args.seed,
+            threads=args.threads,
+        )
+        print(json.dumps(row))
+        return 0
+    result = bench_scale(
+        clients=args.clients,
+        actors=args.actors,
+        ray_clients=args.ray_clients,
+        per_round=args.per_round,
+        rounds=args.rounds,
+        samples=args.samples,
+        seed=args.seed,
+        threads=args.threads,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"FedAvg {result['model']} on {result['data']}, {result['samples_per_client']} images per client")
+    for r in result["rows"]:
+        where = f"Ray, {r['actors']} actors" if r["actors"] else "in-process"
+        rss = r["peak_rss_bytes"] / 2**20
+        print(
+            f"  {r['clients']:>7} clients ({where}): {r['rounds_per_second']:.2f} rounds/s, start-up "
+            f"{r['startup_seconds']:.1f} s, peak RSS {rss:.0f} MiB ({r['rss_covers']})"
+        )
     return 0
 
 
