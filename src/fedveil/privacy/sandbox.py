@@ -302,7 +302,9 @@ def run_program(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(sorted(_PRELOAD))
     parent, child = context.Pipe(duplex=True)
-    cpu = max(1, int(time_limit + 0.999))
+    # RLIMIT_CPU is the backstop; one second above the wall-clock limit, so that a busy loop is reported
+    # by the wall clock ("ran past its time limit") rather than by SIGXCPU, whichever process starts faster
+    cpu = max(1, int(time_limit + 0.999)) + 1
     table: dict[int, DataPolicyPair] | None = {} if host else None
     try:
         encoded = json.dumps(_encode(list(args), table))
