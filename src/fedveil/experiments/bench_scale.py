@@ -73,10 +73,6 @@ def scale_clients(clients: int, samples: int, seed: int, ids: Sequence[str] | No
     return ModelClients(flat, FederatedDataset(users), optimizer=LocalOptimizer("sgd", 0.05), seed=seed)
 
 
-def _shard(clients: int, samples: int, seed: int, ids: list[str]) -> Any:
-    return scale_clients(clients, samples, seed, ids)
-
-
 def measure_setting(
     *, clients: int, per_round: int, rounds: int, samples: int, actors: int, seed: int, threads: int
 ) -> dict[str, Any]:
@@ -98,7 +94,9 @@ def measure_setting(
 
         connect(None, num_cpus=None)
         ids = [f"c{i:06d}" for i in range(clients)]
-        pool: Any = RayPool(functools.partial(_shard, clients, samples, seed), ids, actors=actors, threads=1)
+        pool: Any = RayPool(
+            functools.partial(scale_clients, clients, samples, seed), ids, actors=actors, threads=1
+        )
     else:
         pool = scale_clients(clients, samples, seed)
     runtime = SimulationRuntime(pool, rng=np.random.default_rng(seed + 1))
