@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedveil.experiments.network_options import add_network_arguments, network_plan
+from fedveil.experiments.network_options import add_network_arguments, with_runtime
 
 
 def register(subparsers: Any) -> None:
@@ -132,13 +132,15 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
     )
     out = args.out or Path("runs") / cfg.name
-    network = network_plan(args)
-    results = fr.run_feduv(
-        cfg,
-        out,
-        progress=None if args.json else lambda line: print(line, file=sys.stderr),
-        show_bar=not args.json and not args.no_progress,
-        network=network,
+    results = with_runtime(
+        args,
+        lambda network: fr.run_feduv(
+            cfg,
+            out,
+            progress=None if args.json else lambda line: print(line, file=sys.stderr),
+            show_bar=not args.json and not args.no_progress,
+            network=network,
+        ),
     )
     if args.json:
         print(json.dumps(results, indent=2, sort_keys=True))
@@ -153,13 +155,11 @@ def _agent(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fedveil.data.mnist_uv import generate_mnist_uv
-    from fedveil.experiments.feduv_runner import feduv_clients, load_feduv_config
+    from fedveil.experiments.feduv_runner import agent_clients
     from fedveil.experiments.network_run import agent_host, parse_shard, serve_devices
 
     torch.set_num_threads(max(1, args.threads))
-    cfg = load_feduv_config(args.config)
-    pool = feduv_clients(cfg, args.method, args.code_length, generate_mnist_uv(cfg.data_config()))
+    pool = agent_clients(args.config, args.method, args.code_length)
     host = agent_host(
         args.server,
         pool,

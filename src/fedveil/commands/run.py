@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fedveil.experiments.config import load_config
-from fedveil.experiments.network_options import add_network_arguments, network_plan, ray_plan
+from fedveil.experiments.network_options import add_network_arguments, ray_plan, with_runtime
 from fedveil.experiments.report import format_results
 
 
@@ -39,13 +39,16 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     out = args.out or Path("runs") / cfg.name
-    results = run_experiment(
-        cfg,
-        out,
-        progress=not args.no_progress and sys.stderr.isatty(),
-        resume=args.resume,
-        network=network_plan(args),
-        ray=ray_plan(args),
+    results = with_runtime(
+        args,
+        lambda network: run_experiment(
+            cfg,
+            out,
+            progress=not args.no_progress and sys.stderr.isatty(),
+            resume=args.resume,
+            network=network,
+            ray=ray_plan(args),
+        ),
     )
     print(format_results(results, out))
     return 0

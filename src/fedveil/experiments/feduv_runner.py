@@ -271,6 +271,15 @@ def _uv_method(method: str) -> Any:
     return {"feduv": FedUVMethod, "softmax": SoftmaxMethod, "fedaws": FedAwSMethod}[method]()
 
 
+def agent_clients(config: str | Path, method: str, code_length: int | None) -> UvClients:
+    """The users a FedUV device agent hosts for one method of the run whose ``config.json`` is ``config``
+    (``fedveil feduv agent``, and a Flower ClientApp)."""
+    from fedveil.data.mnist_uv import generate_mnist_uv
+
+    cfg = load_feduv_config(config)
+    return feduv_clients(cfg, method, code_length, generate_mnist_uv(cfg.data_config()))
+
+
 def feduv_clients(
     cfg: FeduvRunConfig,
     method: str,

@@ -1,13 +1,16 @@
-"""The ``--runtime network`` options shared by ``fedveil run`` and ``fedveil feduv run`` (argparse only:
-the CLI builds its parsers without importing gRPC)."""
+"""The ``--runtime`` options shared by ``fedveil run`` and ``fedveil feduv run`` (argparse only: the CLI
+builds its parsers without importing gRPC, Ray or Flower)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fedveil.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def add_network_arguments(
@@ -19,10 +22,18 @@ def add_network_arguments(
     on_ray = f"; ray: the simulation with the {clients} sharded over Ray actors (fedveil[ray])" if ray else ""
     parser.add_argument(
         "--runtime",
-        choices=("simulation", "network", "ray") if ray else ("simulation", "network"),
+        choices=("simulation", "network", "ray", "flower") if ray else ("simulation", "network", "flower"),
         default="simulation",
         help=f"simulation: in-process {clients} (default); network: a gRPC server and device agents over "
-        f"mutual TLS{on_ray}",
+        f"mutual TLS{on_ray}; flower: the {clients} in Flower ClientApps on Flower's simulation engine "
+        "(fedveil[flower], docs/flower.md)",
+    )
+    parser.add_argument(
+        "--supernodes",
+        type=int,
+        default=4,
+        metavar="N",
+        help=f"with --runtime flower: SuperNodes, each hosting an equal share of the {clients} (default 4)",
     )
     if ray:
         parser.add_argument(
@@ -79,3 +90,18 @@ def ray_plan(args: argparse.Namespace) -> Any:
     from fedveil.experiments.runner import RayPlan
 
     return RayPlan(address=args.address, actors=args.actors)
+
+
+def with_runtime(args: argparse.Namespace, work: Callable[[Any], T]) -> T:
+    """``work(network)`` with the network plan the options ask for: None (in-process or Ray), a
+    :class:`~fedveil.experiments.network_run.NetworkPlan`, or, with ``--runtime flower``, a
+    :class:`~fedveil.runtime.flower.FlowerPlan` inside a Flower ServerApp."""
+    if args.runtime != "flower":
+        return work(network_plan(args))
+    if args.supernodes < 1:
+        raise ConfigError(f"--supernodes {args.supernodes} must be >= 1")
+    try:
+        from fedveil.runtime.flower import run_on_flower
+    except ImportError as exc:
+        raise ConfigError(f"--runtime flower needs Flower: pip install 'fedveil[flower]' ({exc})") from None
+    return run_on_flower(work, supernodes=args.supernodes, wait_seconds=args.wait)

@@ -187,9 +187,34 @@ def build_agent(
     server_name: str | None = None,
 ) -> AgentHost:
     """A device agent for ``cfg``: its devices (``devices``, or shard ``I/N`` of the population, or all),
-    their client code and data, their credentials (``credentials/<device>/device.crt`` ...) and, for
-    FDML through the emulated TEE, their enclave sessions pinned to ``platform_public_key`` and the
-    measurement computed from ``cfg``."""
+    their client code and data (:func:`agent_pool`) and their credentials (``credentials/<device>/
+    device.crt`` ...)."""
+    pool, mine = agent_pool(
+        cfg, devices=devices, shard=shard, platform_public_key=platform_public_key, population=population
+    )
+    return agent_host(
+        server,
+        pool,
+        devices=mine,
+        credentials=credentials,
+        insecure=insecure,
+        give_up_after=give_up_after,
+        server_name=server_name,
+        max_message_bytes=cfg.runtime.max_message_bytes,
+    )
+
+
+def agent_pool(
+    cfg: ExperimentConfig,
+    *,
+    devices: list[str] | None = None,
+    shard: tuple[int, int] | None = None,
+    platform_public_key: bytes | None = None,
+    population: Any = None,
+) -> tuple[Any, list[str]]:
+    """The client pool a device agent of ``cfg`` hosts, and the devices it runs (``devices``, shard
+    ``I/N``, or all): for FDML through the emulated TEE, with their enclave sessions pinned to
+    ``platform_public_key`` and the measurement computed from ``cfg``."""
     from fedveil.enclave.measure import measure_enclave
     from fedveil.experiments.privacy_setup import plan_privacy
     from fedveil.experiments.runner import (
@@ -212,17 +237,7 @@ def build_agent(
         privacy = plan_privacy(cfg, population, EMBEDDING_DIM)
         measurement = measure_enclave(enclave_config(cfg, privacy.release if privacy else None, dp_seed=None))
         sessions = device_sessions(mine, platform_public_key, measurement.digest)
-    pool = build_clients(cfg, population, sessions=sessions)
-    return agent_host(
-        server,
-        pool,
-        devices=mine,
-        credentials=credentials,
-        insecure=insecure,
-        give_up_after=give_up_after,
-        server_name=server_name,
-        max_message_bytes=cfg.runtime.max_message_bytes,
-    )
+    return build_clients(cfg, population, sessions=sessions), mine
 
 
 def choose_devices(ids: list[str], devices: list[str] | None, shard: tuple[int, int] | None) -> list[str]:

@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -46,6 +47,7 @@ from fedveil.experiments.privacy_setup import plan_privacy
 from fedveil.models.faces import ResNet34Embedding
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
+from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 from fedveil.protocols.fdml import AttestedEnclave, DPRelease, FDMLClients, FDMLServer, LocalEnclave
 from fedveil.protocols.fedavg import EmbeddingClassifier, FedAvgClients, FedAvgServer
 from fedveil.runtime.enclave_host import EnclaveHost
@@ -334,21 +336,6 @@ def _rewrite_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
     return kept
 
 
-def _pool_state(pool: Any) -> dict[str, Any]:
-    if hasattr(pool, "rng_states"):
-        return pool.rng_states()
-    rngs = getattr(pool, "rngs", None)
-    return {c: g.bit_generator.state for c, g in rngs.items()} if rngs else {}
-
-
-def _restore_pool(pool: Any, states: dict[str, Any]) -> None:
-    if hasattr(pool, "set_rng_states"):
-        pool.set_rng_states(states)
-        return
-    for cid, state in states.items():
-        pool.rngs[cid].bit_generator.state = state
-
-
 def run_experiment(
     cfg: ExperimentConfig,
     out_dir: str | Path,
@@ -413,7 +400,7 @@ def run_experiment(
     if previous is not None:
         trainer.server.load_state_dict(previous.arrays, previous.meta["server"])
         if trainer.pool is not None:
-            _restore_pool(trainer.pool, previous.meta.get("pool", {}))
+            restore_pool_rngs(trainer.pool, previous.meta.get("pool", {}))
             trainer.runtime.rng.bit_generator.state = previous.meta["runtime_rng"]
     if privacy:
 
@@ -448,7 +435,7 @@ def run_experiment(
         arrays, meta = trainer.server.state_dict()
         extra: dict[str, Any] = {"server": meta}
         if trainer.pool is not None:
-            extra["pool"] = _pool_state(trainer.pool)
+            extra["pool"] = pool_rng_states(trainer.pool)
             extra["runtime_rng"] = trainer.runtime.rng.bit_generator.state
         save_checkpoint(out, Checkpoint(rnd, arrays, extra))
 
@@ -544,14 +531,18 @@ def run_experiment(
             return
         # SIGTERM (a service manager stopping the server) unwinds like Ctrl-C: agents are told training
         # is over and local agent processes are stopped; the last checkpoint stays for --resume
+        # (signals reach only the main thread: a run inside a Flower ServerApp thread leaves them to Flower)
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         assert task is not None
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main:
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
         try:
             await train(fh, dh)
         finally:
-            loop.remove_signal_handler(signal.SIGTERM)
+            if on_main:
+                loop.remove_signal_handler(signal.SIGTERM)
             await network.stop(trainer.runtime)
 
     try:
@@ -573,7 +564,9 @@ def run_experiment(
     results = {
         "name": cfg.name,
         "protocol": cfg.protocol,
-        "runtime": "network" if network is not None else ("ray" if ray is not None else "simulation"),
+        "runtime": getattr(network, "name", "network")
+        if network is not None
+        else ("ray" if ray is not None else "simulation"),
         "rounds": totals["rounds"],
         "rounds_applied": totals["applied"],
         **metrics,

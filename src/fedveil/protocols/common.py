@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -95,6 +95,27 @@ def expect(condition: bool, what: str) -> None:
 def client_rng(seed: int, index: int) -> np.random.Generator:
     """The private random stream of client number ``index`` in a seeded simulation."""
     return np.random.default_rng([seed, index])
+
+
+def pool_rng_states(pool: Any, ids: Iterable[str] | None = None) -> dict[str, Any]:
+    """The generator states of a client pool's clients (``ids``, default all): what a checkpoint or a
+    runtime that moves clients between processes must carry. A pool either reports them
+    (``rng_states()``, e.g. one sharded over Ray actors) or keeps one generator per client in ``rngs``;
+    a pool with neither has none to carry."""
+    if hasattr(pool, "rng_states"):
+        states = pool.rng_states()
+    else:
+        states = {c: g.bit_generator.state for c, g in (getattr(pool, "rngs", None) or {}).items()}
+    return states if ids is None else {c: states[c] for c in ids if c in states}
+
+
+def restore_pool_rngs(pool: Any, states: Mapping[str, Any]) -> None:
+    """Set a pool's clients' generators to ``states`` (from :func:`pool_rng_states`)."""
+    if hasattr(pool, "set_rng_states"):
+        pool.set_rng_states(states)
+        return
+    for cid, state in states.items():
+        pool.rngs[cid].bit_generator.state = state
 
 
 def as_tensor(array: np.ndarray) -> torch.Tensor:
