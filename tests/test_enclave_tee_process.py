@@ -4,6 +4,7 @@ relays no plaintext (a relay spy searches every byte string it handled for the e
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -13,12 +14,12 @@ import pytest
 
 from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuoteVerifier
 from fedveil.enclave.aggregate import aggregate_gradients
-from fedveil.enclave.channel import encode_array, pack_frame, unpack_frame
+from fedveil.enclave.channel import FRAME_MAGIC, encode_array, pack_frame, unpack_frame
 from fedveil.enclave.measure import EnclaveConfig, measure_enclave
-from fedveil.enclave.process import LENGTH, serve
+from fedveil.enclave.process import LENGTH, SHARED_ENV, SHARED_FLAG, serve
 from fedveil.enclave.service import EnclaveMemoryError, launch_frame
 from fedveil.enclave.triplet import loss_and_derivatives
-from fedveil.runtime.enclave_host import EnclaveHost, EnclaveProcessError, ProcessTransport
+from fedveil.runtime.enclave_host import SHARED_MIN_BYTES, EnclaveHost, EnclaveProcessError, ProcessTransport
 from fedveil.runtime.quoting import SimulatedPlatform
 
 CONFIG = EnclaveConfig(memory_limit_bytes=4 * 2**20, margin=0.5)
@@ -176,3 +177,60 @@ def test_the_process_loop_pins_its_config_and_ends_with_its_input() -> None:
         serve(io.BytesIO(b"abc"), io.BytesIO())
     with pytest.raises(EOFError, match="before a 100-byte request"):
         serve(io.BytesIO(LENGTH.pack(100)), io.BytesIO())
+
+
+def test_large_requests_go_through_shared_memory_with_the_same_results(enclave: Enclave) -> None:
+    """A request of at least SHARED_MIN_BYTES is written into the memfd the enclave inherited (its
+    length alone goes through the pipe); the result is the direct call's, and the relay spy still sees
+    every byte string the host handles."""
+    transport = enclave.host._transport
+    assert transport._shared is not None and len(transport._shared) == CONFIG.memory_limit_bytes
+    environ = Path(f"/proc/{transport.pid}/environ")
+    if environ.exists():
+        assert f"{SHARED_ENV}=".encode() in environ.read_bytes()
+        assert b"MALLOC_MMAP_THRESHOLD_=" in environ.read_bytes()
+    rng = np.random.default_rng(11)
+    grads = {c: rng.standard_normal(30_000).astype(np.float32) for c in IDS}
+    counts = {c: 3 + i for i, c in enumerate(IDS)}
+    sealed = {c: enclave.relay(enclave.sessions[c].seal_gradient(3, grads[c])) for c in IDS}
+    assert sum(map(len, sealed.values())) > SHARED_MIN_BYTES
+    transport._shared[: len(FRAME_MAGIC)] = bytes(len(FRAME_MAGIC))
+    before = len(enclave.seen)
+    aggregate = enclave.host.aggregate(3, sealed, counts)
+    assert aggregate.batches == 1
+    assert transport._shared[: len(FRAME_MAGIC)] == FRAME_MAGIC, "the request was put in the shared region"
+    assert np.array_equal(aggregate.gradient, aggregate_gradients(grads, counts))
+    request = next(d for d in enclave.seen[before:] if d.startswith(FRAME_MAGIC))
+    assert transport._shared[: len(request)] == request
+    for c in IDS:
+        assert np.ascontiguousarray(grads[c][:4]).tobytes() not in request
+
+
+def _shared_frames(region: mmap.mmap, frame: bytes, *, flag_size: int | None = None) -> bytes:
+    region[: len(frame)] = frame
+    return LENGTH.pack((len(frame) if flag_size is None else flag_size) | SHARED_FLAG)
+
+
+def test_the_process_loop_reads_flagged_requests_from_the_shared_region_only() -> None:
+    config = EnclaveConfig(memory_limit_bytes=2**20)
+    region = mmap.mmap(-1, 2**16)
+    launch = launch_frame(config, bytes(32))
+    reader = io.BytesIO(
+        _shared_frames(region, launch)
+        + LENGTH.pack(2**17 | SHARED_FLAG)  # longer than the region
+        + LENGTH.pack((2**20 + 1) | SHARED_FLAG)  # over the enclave's memory limit
+        + LENGTH.pack(len(pack_frame({"op": "shutdown"})))
+        + pack_frame({"op": "shutdown"})
+    )
+    writer = io.BytesIO()
+    assert serve(reader, writer, shared=region) == 0
+    launched, too_long, oversized, shutdown = _replies(writer.getvalue())
+    assert launched["ok"] and shutdown["ok"]
+    assert too_long["error"] == "CodecError" and "shared region of 65536 bytes" in too_long["message"]
+    assert oversized["error"] == "EnclaveMemoryError"
+
+    writer = io.BytesIO()
+    reader = io.BytesIO(LENGTH.pack(len(launch) | SHARED_FLAG))
+    assert serve(reader, writer) == 0
+    (refused,) = _replies(writer.getvalue())
+    assert refused["error"] == "CodecError" and "no shared region" in refused["message"]

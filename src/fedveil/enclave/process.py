@@ -8,7 +8,11 @@ carry nothing but length-prefixed byte strings::
     u64 little-endian length | request frame        (host -> enclave, on stdin)
     u64 little-endian length | reply frame          (enclave -> host, on stdout)
 
-Each request is handed to :meth:`fedveil.enclave.service.EnclaveService.handle`. A request longer
+A length with its top bit set (:data:`SHARED_FLAG`) says the request is not in the pipe but at the
+start of the shared memory region whose file descriptor the host passed in ``FEDVEIL_ENCLAVE_SHARED_FD``
+(a ``memfd``). That region is untrusted memory, like an SGX enclave's view of the host's: the request is
+copied into the process's own memory before anything reads it, so the host cannot change it while it
+is parsed. Each request is handed to :meth:`fedveil.enclave.service.EnclaveService.handle`. A request longer
 than the enclave's memory limit is refused before it is read into memory (its bytes are skipped and
 an ``EnclaveMemoryError`` reply is sent). ``FEDVEIL_ENCLAVE_CONFIG`` (canonical config JSON), when
 set, pins the launch configuration. Anything the process would print goes to standard error,
@@ -18,6 +22,7 @@ host closes stdin.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import sys
@@ -29,6 +34,10 @@ from fedveil.enclave.service import PINNED_CONFIG_ENV, EnclaveService
 
 LENGTH = struct.Struct("<Q")
 _SKIP_CHUNK = 2**20
+SHARED_ENV = "FEDVEIL_ENCLAVE_SHARED_FD"
+"""Environment variable naming the inherited file descriptor of the shared request region."""
+SHARED_FLAG = 1 << 63
+"""Set in a request's length: the request is in the shared region, not in the pipe."""
 
 
 def _read_exact(reader: BinaryIO, n: int) -> bytearray | None:
@@ -60,31 +69,46 @@ def _write(writer: BinaryIO, frame: bytes) -> None:
     writer.flush()
 
 
-def serve(reader: BinaryIO, writer: BinaryIO, *, pinned_config: EnclaveConfig | None = None) -> int:
-    """Answer requests from ``reader`` on ``writer`` until ``shutdown`` or end of input; exit status."""
+def _refusal(error: str, message: str) -> bytes:
+    return pack_frame({"ok": False, "error": error, "message": message})
+
+
+def serve(
+    reader: BinaryIO,
+    writer: BinaryIO,
+    *,
+    pinned_config: EnclaveConfig | None = None,
+    shared: mmap.mmap | None = None,
+) -> int:
+    """Answer requests from ``reader`` on ``writer`` until ``shutdown`` or end of input; exit status.
+    ``shared`` is the shared request region, if the host passed one."""
     service = EnclaveService(pinned_config=pinned_config)
     while not service.closed:
         head = _read_exact(reader, LENGTH.size)
         if head is None:
             return 0
         (n,) = LENGTH.unpack(head)
+        in_shared = bool(n & SHARED_FLAG)
+        n &= ~SHARED_FLAG
         limit = service.memory_limit_bytes
         if n > limit:
-            _skip(reader, n)
-            _write(
-                writer,
-                pack_frame(
-                    {
-                        "ok": False,
-                        "error": "EnclaveMemoryError",
-                        "message": f"request of {n} bytes exceeds the enclave memory limit of {limit} bytes",
-                    }
-                ),
-            )
+            if not in_shared:
+                _skip(reader, n)
+            message = f"request of {n} bytes exceeds the enclave memory limit of {limit} bytes"
+            _write(writer, _refusal("EnclaveMemoryError", message))
             continue
-        request = _read_exact(reader, n) if n else bytearray()
-        if request is None:
-            raise EOFError(f"stream ended before a {n}-byte request")
+        if in_shared:
+            if shared is None or n > len(shared):
+                room = "no shared region" if shared is None else f"a shared region of {len(shared)} bytes"
+                _write(writer, _refusal("CodecError", f"a {n}-byte request said to be in {room}"))
+                continue
+            request = bytearray(n)
+            memoryview(request)[:] = memoryview(shared)[:n]  # copied in: the host cannot change it now
+        else:
+            got = _read_exact(reader, n) if n else bytearray()
+            if got is None:
+                raise EOFError(f"stream ended before a {n}-byte request")
+            request = got
         _write(writer, service.handle(request))
     return 0
 
@@ -95,8 +119,18 @@ def main() -> int:
     reader, writer = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr
     pinned = os.environ.get(PINNED_CONFIG_ENV)
+    shared = None
+    fd = os.environ.get(SHARED_ENV)
+    if fd:
+        shared = mmap.mmap(int(fd), 0)
+        os.close(int(fd))
     try:
-        return serve(reader, writer, pinned_config=EnclaveConfig.from_json(pinned) if pinned else None)
+        return serve(
+            reader,
+            writer,
+            pinned_config=EnclaveConfig.from_json(pinned) if pinned else None,
+            shared=shared,
+        )
     except (EOFError, BrokenPipeError) as exc:
         print(f"fedveil enclave: host connection lost: {exc}", file=sys.stderr)
         return 1

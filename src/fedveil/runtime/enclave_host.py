@@ -16,6 +16,11 @@ Two transports carry the same bytes (``boundary=``):
     :mod:`multiprocessing`, whose spawn start method re-imports the parent's ``__main__`` and so
     could pull torch into the enclave), speaking length-prefixed frames over its stdin/stdout pipes.
     This is the command Gramine runs under SGX (``packaging/gramine/enclave.manifest.template``).
+    A large request (a round's sealed gradients: about 86 MB for TouchAuth) does not go through the
+    pipe: the host writes it into a shared memory region (a ``memfd`` the enclave process inherits) and
+    sends only its length, flagged, and the enclave copies it into its own memory before reading it,
+    as an SGX enclave copies its inputs in from untrusted memory
+    (:data:`fedveil.enclave.process.SHARED_FLAG`). The bytes are the same either way.
 ``"inprocess"``
     :class:`InProcessTransport`: the same :class:`~fedveil.enclave.service.EnclaveService` called in
     the host's process, byte string in, byte string out; no isolation, for tests and fast simulation.
@@ -27,6 +32,7 @@ every byte string the host exchanges with the enclave after launch: a relay spy 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import struct
 import subprocess
@@ -39,6 +45,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedveil.core.attestation_verify import ServerHello
+from fedveil.core.heap import HEAP_RETAINING_ENV
 from fedveil.enclave.channel import (
     RECORD_OVERHEAD,
     check_client_id,
@@ -49,16 +56,26 @@ from fedveil.enclave.channel import (
 )
 from fedveil.enclave.layerwise import ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
+from fedveil.enclave.process import SHARED_ENV, SHARED_FLAG
 from fedveil.enclave.service import FRAME_SLACK_BYTES, SESSION_BYTES, EnclaveMemoryError, EnclaveService
 from fedveil.errors import CodecError, ConfigError, FedveilError, ValidationError
 from fedveil.runtime.quoting import Launch, SimulatedPlatform
 
 BOUNDARIES = ("process", "inprocess")
-ENCLAVE_THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+ENCLAVE_ENV = {
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    **HEAP_RETAINING_ENV,
+}
 """The enclave runs its BLAS on one thread, as an SGX enclave with one TCS would (and because spinning
-BLAS worker threads beside the host's own slow Alg. 1 down several-fold on a loaded 2-core machine)."""
+BLAS worker threads beside the host's own slow Alg. 1 down several-fold on a loaded 2-core machine). Its
+heap keeps freed memory for the next request (:func:`fedveil.core.heap.retain_freed_memory`), as an SGX
+enclave's preallocated heap does."""
 ENCLAVE_COMMAND = ("-m", "fedveil.enclave.process")
 _LENGTH = struct.Struct("<Q")
+SHARED_MIN_BYTES = 256 * 1024
+"""Requests at least this long go through the shared region; smaller ones are cheaper in the pipe."""
 Tap = Callable[[str, bytes], None]
 
 
@@ -122,15 +139,28 @@ class ProcessTransport:
     the host only) and is killed when the transport is closed or garbage collected.
     """
 
-    def __init__(self, command: Sequence[str] | None = None) -> None:
+    def __init__(self, command: Sequence[str] | None = None, *, shared_bytes: int = 0) -> None:
         self.command = list(command) if command is not None else [sys.executable, *ENCLAVE_COMMAND]
-        self._proc = subprocess.Popen(
-            self.command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            start_new_session=True,
-            env={**os.environ, **ENCLAVE_THREADS},
-        )
+        env = {**os.environ, **ENCLAVE_ENV}
+        fd = None
+        self._shared: mmap.mmap | None = None
+        if shared_bytes > 0 and hasattr(os, "memfd_create"):
+            fd = os.memfd_create("fedveil-enclave-requests", os.MFD_CLOEXEC)
+            os.ftruncate(fd, shared_bytes)
+            self._shared = mmap.mmap(fd, shared_bytes)
+            env[SHARED_ENV] = str(fd)
+        try:
+            self._proc = subprocess.Popen(
+                self.command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                start_new_session=True,
+                env=env,
+                pass_fds=(fd,) if fd is not None else (),
+            )
+        finally:
+            if fd is not None:
+                os.close(fd)
         self._finalizer = weakref.finalize(self, _stop, self._proc)
 
     @property
@@ -148,9 +178,14 @@ class ProcessTransport:
         stdin, stdout = self._proc.stdin, self._proc.stdout
         if stdin is None or stdout is None or stdin.closed:
             raise EnclaveProcessError("the enclave process transport is closed")
+        n = len(data)
         try:
-            stdin.write(_LENGTH.pack(len(data)))
-            stdin.write(data)
+            if self._shared is not None and SHARED_MIN_BYTES <= n <= len(self._shared):
+                self._shared[:n] = data
+                stdin.write(_LENGTH.pack(n | SHARED_FLAG))
+            else:
+                stdin.write(_LENGTH.pack(n))
+                stdin.write(data)
             stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise self._lost(f"stopped reading requests ({exc})") from exc
@@ -247,7 +282,11 @@ class EnclaveHost:
         config = EnclaveConfig() if config is None else config
         if boundary not in BOUNDARIES:
             raise ConfigError(f"boundary {boundary!r} is not one of {', '.join(BOUNDARIES)}")
-        transport: EnclaveTransport = ProcessTransport() if boundary == "process" else InProcessTransport()
+        transport: EnclaveTransport = (
+            ProcessTransport(shared_bytes=config.memory_limit_bytes)
+            if boundary == "process"
+            else InProcessTransport()
+        )
         try:
             launch = platform.launch(transport.request, config)
         except BaseException:
