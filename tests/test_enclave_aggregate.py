@@ -55,6 +55,30 @@ def test_matches_brute_force(counts: list[int], size: int, seed: int) -> None:
     assert np.all(got >= stacked.min(axis=0) - 1e-5) and np.all(got <= stacked.max(axis=0) + 1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 10_000), min_size=1, max_size=8),
+    size=st.integers(1, 300),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_equals_the_straightforward_float64_sum_bit_for_bit(
+    counts: list[int], size: int, dtype: type, seed: int
+) -> None:
+    """The product is written into one reused float64 buffer; the numbers are those of the plain
+    ``sum (|d_i| / |D|) * g_i.astype(float64)``."""
+    rng = np.random.default_rng(seed)
+    gradients = {
+        f"c{i}": (rng.normal(0, 10, size) * 10.0 ** rng.uniform(-3, 3)).astype(dtype)
+        for i in range(len(counts))
+    }
+    num = {f"c{i}": k for i, k in enumerate(counts)}
+    plain = np.zeros(size, np.float64)
+    for cid, g in gradients.items():
+        plain += (num[cid] / sum(counts)) * g.astype(np.float64)
+    np.testing.assert_array_equal(aggregate_gradients(gradients, num), plain.astype(np.float32))
+
+
 def test_float64_gradients_accumulate_in_float64() -> None:
     big, small = np.array([1e8, 1.0]), np.array([-1e8, 1.0])
     got = aggregate_gradients({"a": big, "b": small}, {"a": 1, "b": 1})

@@ -51,6 +51,9 @@ def aggregate_gradients(gradients: Mapping[str, np.ndarray], num_samples: Mappin
         if not np.isfinite(grad).all():
             raise ValidationError(f"gradient of {cid!r} holds NaN or inf")
     out = np.zeros(shape, np.float64)
+    term = np.empty(shape, np.float64)
     for cid, grad in gradients.items():
-        out += (int(num_samples[cid]) / total) * grad.astype(np.float64, copy=False)
+        # |d_i| / |D| * g_i in float64, written into one reused buffer (no float64 copy of g_i)
+        np.multiply(grad, np.float64(int(num_samples[cid]) / total), out=term)
+        out += term
     return out.astype(np.float32)
