@@ -15,7 +15,6 @@ import sys
 from collections.abc import Sequence
 
 from fedveil import __version__, commands
-from fedveil.core.heap import retain_freed_memory
 from fedveil.errors import FedveilError
 
 
@@ -40,7 +39,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    retain_freed_memory()
     try:
         return int(args.func(args) or 0)
     except FedveilError as exc:

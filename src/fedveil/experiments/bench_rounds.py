@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedveil.core.heap import retain_freed_memory
 from fedveil.experiments.config import load_config
 from fedveil.experiments.runner import EMBEDDING_DIM, build_population, build_trainer
 
@@ -45,6 +46,7 @@ def bench_rounds(
     """Median rounds per second over ``repeats`` timed blocks of ``rounds`` rounds each; ``profile`` adds
     one more block of ``rounds`` rounds under cProfile and reports seconds per round by phase."""
     torch.set_num_threads(threads)
+    retain_freed_memory()
     cfg = load_config(None, ["protocol=fdml", f"runtime.batched={str(batched).lower()}", *overrides])
     population = build_population(cfg)
     trainer = build_trainer(cfg, population)

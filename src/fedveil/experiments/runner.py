@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from fedveil.core.atomic import atomic_write
 from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuoteVerifier
+from fedveil.core.heap import retain_freed_memory
 from fedveil.data.cameraauth import cameraauth_from_folder, synthetic_cameraauth
 from fedveil.data.touch_csv import load_touch_population
 from fedveil.data.touchauth import TouchAuthConfig, generate_touchauth
@@ -358,6 +359,7 @@ def run_experiment(
     if network is not None and ray is not None:
         raise ConfigError("a run goes over the network or on Ray, not both")
     torch.set_num_threads(cfg.runtime.threads)
+    retain_freed_memory()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     resolved = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
