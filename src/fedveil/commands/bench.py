@@ -34,6 +34,7 @@ def register(subparsers: Any) -> None:
     _add_polifl(benches)
     _add_dlg(benches)
     _add_scale(benches)
+    _add_peers(benches)
     parser.set_defaults(func=run)
 
 
@@ -481,6 +482,59 @@ def _run_scale(args: argparse.Namespace) -> int:
             f"  {r['clients']:>7} clients ({where}): {r['rounds_per_second']:.2f} rounds/s, start-up "
             f"{r['startup_seconds']:.1f} s, peak RSS {rss:.0f} MiB ({r['rss_covers']})"
         )
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _add_peers(sub: Any) -> None:
+    p = sub.add_parser(
+        "peers",
+        help="the same FedAvg task in fedveil, fedveil on Ray, Flower's simulation engine and pfl-research",
+        description="FedAvg with LeNet on 28x28 images, the same task folder for every framework, each "
+        "setting in a fresh process; the peers in their own virtual environments (docs/benchmarks.md, "
+        "'Peers').",
+    )
+    p.add_argument(
+        "--frameworks", type=_names, default=["fedveil", "ray", "flower", "pfl"], help="default: all four"
+    )
+    p.add_argument("--cohorts", type=_counts, default=[10, 100], help="clients per round (default 10,100)")
+    p.add_argument("--rounds", type=int, default=30, help="timed rounds after one warm-up (default 30)")
+    p.add_argument("--clients", type=int, default=1_000, help="registered clients (default 1000)")
+    p.add_argument("--samples", type=int, default=50, help="images per client (default 50)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads, or Ray actors (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    p.add_argument(
+        "--out", default="runs/bench-peers", help="task folder and results (default runs/bench-peers)"
+    )
+    p.add_argument("--setup", action="store_true", help="create the peers' virtual environments and exit")
+    p.add_argument("--json", action="store_true", help="print the task and the rows as JSON")
+    p.set_defaults(bench_func=_run_peers)
+
+
+def _run_peers(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedveil.experiments.bench_peers import PEERS, bench_peers, format_table, repo_root, setup_peers
+
+    if args.setup:
+        peers = [name for name in args.frameworks if name in PEERS]
+        versions = setup_peers(peers, repo_root() / ".venv-peers")
+        print(json.dumps(versions) if args.json else ", ".join(f"{k} {v}" for k, v in versions.items()))
+        return 0
+    result = bench_peers(
+        frameworks=args.frameworks,
+        cohorts=args.cohorts,
+        rounds=args.rounds,
+        clients=args.clients,
+        samples=args.samples,
+        threads=args.threads,
+        seed=args.seed,
+        out=Path(args.out),
+    )
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 
 

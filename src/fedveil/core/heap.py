@@ -5,12 +5,11 @@ strings, and an 86 MB request to the enclave. glibc's malloc serves every alloca
 (128 KiB at first, adapting up to 32 MiB) with fresh pages from the kernel and returns them on free. Each new
 buffer then page-faults its way in: about 330 faults, each zeroing a page, per 1.35 MB, tens of thousands per
 round. Raising the mmap and trim thresholds keeps such buffers in the heap, where the next round finds them
-already mapped. ``fedveil bench rounds`` measured 2.7 against 3.6 rounds/s for the host alone
-(docs/benchmarks.md). The cost is that the process keeps its peak heap, fragmented: its resident size does not
-fall back after a round. For FedAvg on images, whose batched local training allocates temporaries of hundreds
-of MB, that cost is large (docs/benchmarks.md), so only the runs that move many megabyte-sized buffers per
-round turn it on: :func:`fedveil.experiments.runner.run_experiment` (FDML, FL-traditional on
-TouchAuth), ``fedveil bench rounds``, and the enclave process.
+already mapped. Side by side, the host's setting took FDML from 2.6 to 3.7 rounds/s (``python
+benchmarks/fdml_rounds_ablation.py``, docs/benchmarks.md). The cost is that the process keeps its peak heap:
+its resident size does not fall back after a round. So only the runs measured to gain turn it on:
+:func:`fedveil.experiments.runner.run_experiment` (FDML, FL-traditional on TouchAuth), ``fedveil bench
+rounds``, and the enclave process.
 
 Only glibc has these knobs. Elsewhere this is a no-op, and nothing depends on it but speed.
 """

@@ -16,8 +16,10 @@ driver's only; the actors' memory is not included, and the output says so. Repor
 
 - the clients and actors;
 - the median seconds per round over ``rounds`` rounds, after one warm-up round, and rounds per second;
-- start-up seconds: building the clients, and the actors with Ray;
-- peak RSS.
+- start-up seconds: building the clients, and the actors with Ray; the warm-up round's seconds;
+- peak RSS;
+- the test accuracy of the global model after the warm-up and timed rounds (``fedveil bench peers``
+  compares it with other frameworks').
 """
 
 from __future__ import annotations
@@ -36,22 +38,32 @@ import numpy as np
 
 from fedveil.errors import ConfigError
 
-__all__ = ["SCALE_MODEL", "bench_scale", "measure_setting", "scale_clients"]
+__all__ = [
+    "SCALE_BATCH",
+    "SCALE_EPOCHS",
+    "SCALE_LR",
+    "SCALE_MODEL",
+    "bench_scale",
+    "measure_in_subprocess",
+    "measure_setting",
+    "scale_clients",
+    "scale_users",
+]
 
 SCALE_MODEL = "lenet"
+SCALE_LR = 0.05
+SCALE_BATCH = 10
+SCALE_EPOCHS = 1
+"""The local training of every client: ``SCALE_EPOCHS`` epoch of plain SGD, lr and batch size as named."""
 
 
-def scale_clients(clients: int, samples: int, seed: int, ids: Sequence[str] | None = None) -> Any:
-    """The client pool of ``clients`` clients (only ``ids`` of them, for a Ray shard), each with
-    ``samples`` images viewed from one shared training array (module docstring)."""
-    import torch
-
-    from fedveil.data.federated import FederatedDataset, UserData
+def scale_users(clients: int, samples: int, seed: int, ids: Sequence[str] | None = None) -> list[Any]:
+    """The ``UserData`` of ``clients`` clients (only ``ids`` of them, for a Ray shard), each with
+    ``samples`` images viewed from one shared training array (module docstring): client ``i`` holds the
+    window starting at ``i * samples`` (modulo the windows that fit) of a permutation of the training
+    images seeded by ``seed``."""
+    from fedveil.data.federated import UserData
     from fedveil.data.images import load_image_dataset
-    from fedveil.models.flat import FlatModel
-    from fedveil.models.zoo import build_model
-    from fedveil.protocols.fedavg import ModelClients
-    from fedveil.protocols.local import LocalOptimizer
 
     train = load_image_dataset("fashion-mnist", "train", seed=seed)
     order = np.random.default_rng(seed).permutation(len(train))
@@ -68,9 +80,23 @@ def scale_clients(clients: int, samples: int, seed: int, ids: Sequence[str] | No
             continue
         start = (i * samples) % windows
         users.append(UserData(cid, {}, {"x": x[start : start + samples], "y": y[start : start + samples]}))
+    return users
+
+
+def scale_clients(clients: int, samples: int, seed: int, ids: Sequence[str] | None = None) -> Any:
+    """The client pool of :func:`scale_users`' clients (only ``ids`` of them, for a Ray shard)."""
+    import torch
+
+    from fedveil.data.federated import FederatedDataset
+    from fedveil.models.flat import FlatModel
+    from fedveil.models.zoo import build_model
+    from fedveil.protocols.fedavg import ModelClients
+    from fedveil.protocols.local import LocalOptimizer
+
+    users = scale_users(clients, samples, seed, ids)
     torch.manual_seed(seed)
     flat = FlatModel(build_model(SCALE_MODEL, num_classes=10, in_channels=1, image_size=28, seed=seed))
-    return ModelClients(flat, FederatedDataset(users), optimizer=LocalOptimizer("sgd", 0.05), seed=seed)
+    return ModelClients(flat, FederatedDataset(users), optimizer=LocalOptimizer("sgd", SCALE_LR), seed=seed)
 
 
 def measure_setting(
@@ -104,9 +130,9 @@ def measure_setting(
     flat = FlatModel(build_model(SCALE_MODEL, num_classes=10, in_channels=1, image_size=28, seed=seed))
     cfg = ImageFedAvgConfig(
         clients_per_round=per_round,
-        local_epochs=1,
-        batch_size=10,
-        optimizer=LocalOptimizer("sgd", 0.05),
+        local_epochs=SCALE_EPOCHS,
+        batch_size=SCALE_BATCH,
+        optimizer=LocalOptimizer("sgd", SCALE_LR),
         eval_every=0,
     )
     server = ModelServer(cfg, flat, np.random.default_rng(seed + 2))
@@ -119,10 +145,10 @@ def measure_setting(
             t0 = time.perf_counter()
             await server.run_round(rnd + 1, runtime)
             times.append(time.perf_counter() - t0)
-        return times[1:]
+        return times
 
     times = asyncio.run(run())
-    per = statistics.median(times)
+    per = statistics.median(times[1:])
     row = {
         "clients": clients,
         "clients_per_round": per_round,
@@ -130,16 +156,35 @@ def measure_setting(
         "rounds": rounds,
         "seconds_per_round": per,
         "rounds_per_second": 1.0 / per,
+        "first_round_seconds": times[0],
         "startup_seconds": startup,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "rss_covers": "driver only (Ray actors not included)" if actors else "the whole run",
         "dropouts": len(runtime.stats().dropouts),
     }
+    from fedveil.data.images import load_image_dataset
+
+    test = load_image_dataset("fashion-mnist", "test", seed=seed)
+    row["accuracy"] = server.evaluate(test.x, test.y)["accuracy"]
     if actors:
         import ray
 
         ray.shutdown()
     return row
+
+
+def measure_in_subprocess(
+    *, clients: int, per_round: int, rounds: int, samples: int, actors: int, seed: int, threads: int
+) -> dict[str, Any]:
+    """:func:`measure_setting` in a fresh ``python -m fedveil bench scale --one`` process (its own RSS)."""
+    command = [sys.executable, "-m", "fedveil", "bench", "scale", "--one", "--json"]
+    command += ["--clients", str(clients), "--actors", str(actors), "--per-round", str(per_round)]
+    command += ["--rounds", str(rounds), "--samples", str(samples), "--seed", str(seed)]
+    command += ["--threads", str(threads)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise ConfigError(f"setting clients={clients} actors={actors} failed: {done.stderr.strip()[-800:]}")
+    return dict(json.loads(done.stdout))
 
 
 def bench_scale(
@@ -161,16 +206,8 @@ def bench_scale(
     if per_round < 1 or rounds < 1 or samples < 1:
         raise ConfigError("per_round, rounds and samples must be >= 1")
     settings = [(n, 0) for n in clients] + [(ray_clients, a) for a in actors]
-    rows = []
-    for n, a in settings:
-        command = [sys.executable, "-m", "fedveil", "bench", "scale", "--one", "--json"]
-        command += ["--clients", str(n), "--actors", str(a), "--per-round", str(per_round)]
-        command += ["--rounds", str(rounds), "--samples", str(samples), "--seed", str(seed)]
-        command += ["--threads", str(threads)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-        if done.returncode != 0:
-            raise ConfigError(f"setting clients={n} actors={a} failed: {done.stderr.strip()[-800:]}")
-        rows.append(json.loads(done.stdout))
+    common = {"per_round": per_round, "rounds": rounds, "samples": samples, "seed": seed, "threads": threads}
+    rows = [measure_in_subprocess(clients=n, actors=a, **common) for n, a in settings]
     from fedveil.data.images import load_image_dataset
 
     data = load_image_dataset("fashion-mnist", "train", seed=seed).name
