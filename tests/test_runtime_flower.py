@@ -40,16 +40,12 @@ from fedveil.errors import ConfigError
 from fedveil.experiments.config import config_to_dict, load_config
 from fedveil.protocols.messages import Register, RegistrationCall
 from fedveil.runtime import flower
+from test_experiments_runner import SMALL as RUNNER_SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "rounds=3",
-    "data.train_users_per_model=[6, 6]",
-    "data.test_users_per_model=[11, 11]",
-    "fdml.num_required=4",
-    "fdml.samples_per_client=4",
-    "fedavg.clients_per_round=4",
-    "fedavg.samples_per_client=4",
+    *RUNNER_SMALL,
     "runtime.batched=false",
     "faults.embed.latency.kind=constant",
     "faults.grad.latency.kind=constant",
