@@ -343,7 +343,9 @@ def test_min_replies_keeps_the_earliest_in_request_order(agent_command: list[str
     assert list(got) == [c for c in ids if c in got] and len(got) == 3
     assert all(d.reason == "late: round moved on without this reply" for d in runtime.stats().dropouts)
     stats = runtime.stats()
-    assert stats.messages_down == len(ids) and stats.messages_up == len(ids) and stats.bytes_up > 0
+    # it returned once the first node's replies were enough: the other node's were never read
+    assert stats.messages_down == len(ids) and 3 <= stats.messages_up < len(ids) and stats.bytes_up > 0
+    assert len(stats.dropouts) == len(ids) - 3
 
 
 def test_the_client_app_refuses_what_it_cannot_serve(agent_command: list[str]) -> None:

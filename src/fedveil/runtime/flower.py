@@ -171,10 +171,15 @@ class FlowerRuntime:
                 await self._exchange({n: ConfigRecord({"phase": BYE}) for n in nodes}, time.monotonic() + 5.0)
 
     async def _exchange(
-        self, records: Mapping[int, ConfigRecord], deadline: float, enough: Callable[[], bool] | None = None
+        self,
+        records: Mapping[int, ConfigRecord],
+        deadline: float,
+        *,
+        on_reply: Callable[[int, ConfigRecord | str], None] | None = None,
+        enough: Callable[[], bool] | None = None,
     ) -> dict[int, ConfigRecord | str]:
-        """Push one record to each node; gather each node's reply record (or why it is not one) until
-        all replied, ``enough()`` holds, or ``deadline``."""
+        """Push one record to each node; gather each node's reply record (or why it is not one), handing
+        each to ``on_reply`` as it comes, until all replied, ``enough()`` holds, or ``deadline``."""
         messages = [
             Message(RecordDict({RECORD: rec}), dst_node_id=node, message_type=MESSAGE_TYPE)
             for node, rec in records.items()
@@ -189,7 +194,10 @@ class FlowerRuntime:
                 if mid not in pending:
                     continue
                 pending.discard(mid)
-                out[node_of_msg[mid]] = _record_of(reply)
+                node = node_of_msg[mid]
+                out[node] = _record_of(reply)
+                if on_reply is not None:
+                    on_reply(node, out[node])
                 if enough is not None and enough():
                     break
             if not pending or (enough is not None and enough()) or time.monotonic() >= deadline:
@@ -234,20 +242,26 @@ class FlowerRuntime:
         }
         valid: dict[ClientId, FedveilMessage] = {}
         answered: set[ClientId] = set()
-        replies = await self._exchange(
-            records, started + timeout, enough=lambda: len(valid) >= min_replies and min_replies > 0
-        )
-        for node, reply in replies.items():
+
+        def take(node: int, reply: ConfigRecord | str) -> None:
             asked = per_node[node][0]
             answered.update(asked)
             if isinstance(reply, str):
                 for cid in asked:
                     self._drop(cid, phase, f"invalid reply from SuperNode {node}: {reply}")
-                continue
-            self._receive(node, reply, asked, phase, expected, validate, valid)
+            else:
+                self._receive(node, reply, asked, phase, expected, validate, valid)
+
+        def enough() -> bool:
+            return 0 < min_replies <= len(valid)
+
+        await self._exchange(records, started + timeout, on_reply=take, enough=enough)
+        late = f"late: no reply within {timeout:g} s"
+        if enough():
+            late = "late: round moved on without this reply"
         for cid in msgs:
             if cid not in answered:
-                self._drop(cid, phase, f"late: no reply within the timeout of {timeout:g} s")
+                self._drop(cid, phase, late)
         self._stats.sim_seconds += time.monotonic() - started
         ordered = {cid: valid[cid] for cid in msgs if cid in valid}
         if min_replies and len(ordered) > min_replies:
@@ -393,8 +407,7 @@ def run_on_flower(
     def _main(grid: Grid, context: Context) -> None:
         results.append(work(FlowerPlan(grid, wait_seconds=wait_seconds, threads=threads)))
 
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    with _quiet_deprecation():
+    with _quiet_flower():
         run_simulation(
             app,
             client_app,
@@ -410,8 +423,9 @@ def run_on_flower(
 
 
 @contextlib.contextmanager
-def _quiet_deprecation() -> Any:
-    """Flower logs run_simulation as deprecated in favour of ``flwr run``; both are supported here."""
+def _quiet_flower() -> Any:
+    """Only Flower's errors while its simulation runs (it logs ``run_simulation`` as deprecated in favour
+    of ``flwr run``, and every round at INFO); both ways are supported here."""
     flwr_log = logging.getLogger("flwr")
     level = flwr_log.level
     flwr_log.setLevel(logging.ERROR)
