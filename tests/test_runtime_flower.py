@@ -378,6 +378,16 @@ def test_the_client_app_refuses_what_it_cannot_serve(agent_command: list[str]) -
     assert flower.RECORD not in ctx.state.config_records
 
 
+def test_nodes_that_cannot_host_clients_are_named_when_the_wait_ends(agent_command: list[str]) -> None:
+    grid = _Grid(2)
+    grid.contexts[101].node_config = {}  # a SuperNode started without its share
+    runtime = flower.FlowerRuntime(grid)
+    ids = [f"u{i:03d}" for i in range(12)]
+    why = r"only 0 of 12 clients .* SuperNode 101: ConfigError: .*partition-id"
+    with pytest.raises(ConfigError, match=why):
+        asyncio.run(runtime.connect(agent_command, ids, wait=0.3))
+
+
 def test_a_fresh_process_refuses_devices_whose_state_it_cannot_rebuild(tmp_path: Path) -> None:
     import yaml
 

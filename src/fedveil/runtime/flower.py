@@ -130,6 +130,7 @@ class FlowerRuntime:
         known = set(ids)
         need = len(known) if need is None else need
         asked: set[int] = set()
+        failed: dict[int, str] = {}
         deadline = time.monotonic() + wait
         while True:
             nodes = [n for n in self.grid.get_node_ids() if n not in asked]
@@ -138,7 +139,16 @@ class FlowerRuntime:
                 record = ConfigRecord({"phase": HELLO, "command": list(command)})
                 replies = await self._exchange({n: record for n in nodes}, deadline)
                 for node, reply in replies.items():
-                    hosted = _field(reply, "clients", list)
+                    try:
+                        if isinstance(reply, str):
+                            raise ValidationError(reply)
+                        if "error" in reply:
+                            raise ValidationError(_field(reply, "error", str))
+                        hosted = _field(reply, "clients", list)
+                    except ValidationError as exc:
+                        failed[node] = str(exc)
+                        log.warning("SuperNode %d cannot host clients: %s", node, exc)
+                        continue
                     bad = [c for c in hosted if not isinstance(c, str) or c not in known]
                     taken = [c for c in hosted if c in self._node_of]
                     if bad or taken:
@@ -156,10 +166,11 @@ class FlowerRuntime:
                 self._node_of = {c: self._node_of[c] for c in ids if c in self._node_of}
                 return list(self._node_of)
             if time.monotonic() >= deadline:
+                why = "".join(f"; SuperNode {n}: {e}" for n, e in list(failed.items())[:3])
                 raise ConfigError(
                     f"only {len(self._node_of)} of {need} clients are hosted by the SuperNodes that joined "
                     f"within {wait:g} s: start more SuperNodes (each with partition-id and num-partitions "
-                    "in its node config)"
+                    f"in its node config){why}"
                 )
             await asyncio.sleep(0.05)
 
