@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from fedveil.core.atomic import atomic_write
+from fedveil.core.atomic import atomic_file, atomic_write
 from fedveil.errors import ConfigError
 from fedveil.experiments.bench_scale import (
     SCALE_BATCH,
@@ -188,9 +188,8 @@ def write_task(
 
 
 def _save_npz(path: Path, **arrays: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
+    with atomic_file(path) as fh:
+        np.savez(fh, **arrays)
 
 
 def setup_peers(names: Sequence[str], venvs: Path, progress: Progress = _stderr) -> dict[str, str]:

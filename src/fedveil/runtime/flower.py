@@ -481,18 +481,19 @@ _POOLS: dict[tuple[int, tuple[str, ...]], Any] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _pool_for(run_id: int, command: Sequence[str], *, drop: bool = False, fresh: bool = True) -> Any:
+def _pool_for(run_id: int, command: Sequence[str], *, drop: bool = False, at_hello: bool = True) -> Any:
     """The client pool (every client of the population) that the device-agent ``command`` describes for
     Flower run ``run_id``, built once per process and run (the nodes a process serves share it: each
-    touches only its own clients); ``drop`` forgets it. Without ``fresh``, a pool this process must
-    build anew is refused unless its clients keep nothing but their generators between messages."""
+    touches only its own clients); ``drop`` forgets it. Past the ``hello`` (``at_hello=False``), a pool
+    this process must build anew is refused unless its clients keep nothing but their generators between
+    messages."""
     key = (run_id, tuple(command))
     with _POOLS_LOCK:
         if drop:
             return _POOLS.pop(key, None)
         if key not in _POOLS:
             pool = _build_pool(list(command))
-            if not fresh and not _carried_whole(pool):
+            if not at_hello and not _carried_whole(pool):
                 raise ConfigError(
                     f"this ClientApp process did not serve the node's earlier messages, and "
                     f"{type(pool).__name__} devices keep state between messages (FDML: the activations "
@@ -581,7 +582,7 @@ def _phase(record: ConfigRecord, saved: ConfigRecord, run_id: int) -> ConfigReco
     node's state."""
     from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 
-    pool = _pool_for(run_id, list(saved["command"]), fresh=False)  # type: ignore[arg-type]
+    pool = _pool_for(run_id, list(saved["command"]), at_hello=False)  # type: ignore[arg-type]
     mine = set(saved["clients"])  # type: ignore[arg-type]
     clients = [str(c) for c in _field(record, "clients", list)]
     blobs = _field(record, "blobs", list)
