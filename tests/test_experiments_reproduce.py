@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedveil.errors import ConfigError
-from fedveil.experiments.reproduce import TABLES, reproduce
+from fedveil.experiments.reproduce import TABLES, mean_std, reproduce
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 TINY = [
@@ -50,3 +50,59 @@ def test_bad_table_and_missing_configs(tmp_path: Path) -> None:
         reproduce("table9")
     with pytest.raises(ConfigError, match="not found"):
         reproduce("table2", configs=tmp_path)
+
+
+def test_seeds_give_mean_and_std_and_a_cut_run_resumes(tmp_path: Path) -> None:
+    lines: list[str] = []
+    summary = reproduce(
+        "partial",
+        configs=CONFIGS,
+        out=tmp_path,
+        overrides=TINY,
+        jobs=2,
+        threads=1,
+        seeds=2,
+        echo=lines.append,
+    )
+    assert summary["seeds"] == 2 and len(summary["cells"]) == 4
+    for cell in summary["cells"]:
+        runs = cell["seeds"]
+        assert [r["seed"] for r in runs] == [0, 1]
+        accs = [r["accuracy_percent"] for r in runs]
+        assert cell["stats"]["accuracy_percent_each"] == accs
+        assert cell["stats"]["accuracy_percent"] == pytest.approx(sum(accs) / 2)
+        assert cell["stats"]["accuracy_percent_std"] == pytest.approx(abs(accs[0] - accs[1]) / 2**0.5)
+    # different seeds train different models
+    first = summary["cells"][0]["seeds"]
+    assert first[0]["accuracy_percent"] != first[1]["accuracy_percent"] or first[0]["eer"] != first[1]["eer"]
+    md = (tmp_path / "partial" / "summary.md").read_text()
+    assert "mean +- std" in md and "| 51 gradients of 51 | 51 participants, rate_p=1 |" in md
+    assert "| - |" in md  # no paper number for the control cell
+    # a run cut off after its checkpoint continues from it instead of starting again
+    cut = tmp_path / "partial" / "table1_fdml" / "seed1"
+    done = json.loads((cut / "results.json").read_text())
+    (cut / "results.json").unlink()
+    again: list[str] = []
+    summary2 = reproduce(
+        "partial",
+        configs=CONFIGS,
+        out=tmp_path,
+        overrides=TINY,
+        jobs=1,
+        threads=1,
+        seeds=2,
+        echo=again.append,
+    )
+    assert sum("kept" in line for line in again) == 7
+    assert sum("(resumed)" in line for line in again) == 1
+    resumed = summary2["cells"][0]["seeds"][1]
+    assert resumed["resumed_after_round"] == 2 and resumed["accuracy_percent"] == done["accuracy_percent"]
+
+
+def test_mean_std_and_seed_conflict(tmp_path: Path) -> None:
+    assert mean_std([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, 1.2909944487358056))
+    assert mean_std([7.0]) == (7.0, 0.0)
+    with pytest.raises(ConfigError, match="both choose the seed"):
+        reproduce("table1", configs=CONFIGS, out=tmp_path, overrides=["seed=3"], seeds=2)
+    with pytest.raises(ConfigError, match="seeds 0 must be >= 1"):
+        reproduce("table1", configs=CONFIGS, out=tmp_path, seeds=0)

@@ -1,19 +1,22 @@
 """One-command reproduction of the FDML paper's tables (000_5f3e2740eb021610.txt, Tables I-IV).
 
 ``table1``-``table3`` are TouchAuth's cells; ``camera1``, ``camera2`` and ``camera4`` the CameraAuth cells of
-Tables I, II and IV (configs in ``configs/fdml/``).
+Tables I, II and IV (configs in ``configs/fdml/``); ``partial`` is not a paper table but the experiment that
+asks why partial participation costs accuracy (Sec. VIII-B2/B3; ``docs/results.md``).
 
 Each table is a list of cells; each cell is one experiment config in ``configs/`` beside the number the
 paper reports for it. :func:`reproduce` runs the cells (as ``fedveil run`` subprocesses, several at a
-time), skips cells whose ``results.json`` already exists (so an interrupted reproduction resumes where
-it stopped), and writes ``summary.md`` / ``summary.json``: our number beside the paper's, the scale
-used, and for DP cells the paper's per-round epsilon and the whole-training epsilon under both
-accountings.
+time), each with ``seeds`` training seeds, skips runs whose ``results.json`` already exists and continues a
+run that was cut off from its checkpoint (so an interrupted reproduction resumes where it stopped), and
+writes ``summary.md`` / ``summary.json``: our number (the mean +- sample standard deviation over the seeds)
+beside the paper's, the scale used, and for DP cells the paper's per-round epsilon and the whole-training
+epsilon under both accountings.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,12 +32,13 @@ from fedveil.errors import ConfigError
 
 @dataclass(frozen=True)
 class Cell:
-    """One table cell: its row and column labels, config file name and the paper's accuracy (%)."""
+    """One table cell: its row and column labels, config file name and the paper's accuracy (%), None
+    where the paper has no such cell."""
 
     row: str
     column: str
     config: str
-    paper: float
+    paper: float | None
 
 
 TABLES: dict[str, tuple[str, list[Cell]]] = {
@@ -95,21 +99,42 @@ TABLES: dict[str, tuple[str, list[Cell]]] = {
             for rp, paper in zip(("1.0", "0.8", "0.6"), values, strict=True)
         ],
     ),
+    "partial": (
+        "Partial participation: what costs accuracy when only part of the gradients is applied, TouchAuth",
+        [
+            Cell("64 gradients of 64", "all applied (rate_p=1)", "table1_fdml.yaml", 80.88),
+            Cell("51 of 64, first to arrive", "rate_p=0.8", "table3_rp0.8_nodp.yaml", 80.75),
+            Cell("~51 of 64, random", "each lost w.p. 0.2 (Strategy-UC)", "table2_uc_p0.2.yaml", 81.11),
+            Cell("51 gradients of 51", "51 participants, rate_p=1", "fdml/partial_cohort51.yaml", None),
+        ],
+    ),
 }
 
 
 def _run_cell(config: Path, out: Path, overrides: Sequence[str], threads: int) -> tuple[Path, float, str]:
+    """One ``fedveil run`` of ``config`` into ``out``: kept when it finished before, continued from its
+    checkpoint when it was cut off, else started."""
     if (out / "results.json").is_file():
         return out, 0.0, "kept"
     cmd = [sys.executable, "-m", "fedveil.cli", "run", str(config), "--out", str(out), "--no-progress"]
     for item in [f"runtime.threads={threads}", *overrides]:
         cmd += ["--set", item]
+    resumed = (out / "checkpoint.npz").is_file() and (out / "config.yaml").is_file()
+    if resumed:
+        cmd.append("--resume")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with open(out / "log.txt", "w", encoding="utf-8") as log:
+    with open(out / "log.txt", "a" if resumed else "w", encoding="utf-8") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     status = "done" if code == 0 else f"failed (exit {code}, see {out / 'log.txt'})"
-    return out, time.perf_counter() - start, status
+    return out, time.perf_counter() - start, f"{status} (resumed)" if resumed and code == 0 else status
+
+
+def seed_dirs(base: Path, cell: Cell, seeds: int) -> list[Path]:
+    """Run directories of ``cell``'s seeds: ``base/<config name>`` for one seed (seed of the config),
+    ``base/<config name>/seed<i>`` for ``i`` in ``0 .. seeds-1`` otherwise."""
+    cell_dir = base / Path(cell.config).stem
+    return [cell_dir] if seeds == 1 else [cell_dir / f"seed{i}" for i in range(seeds)]
 
 
 def reproduce(
@@ -120,13 +145,25 @@ def reproduce(
     overrides: Sequence[str] = (),
     jobs: int = 1,
     threads: int | None = None,
+    seeds: int = 1,
     echo: Any = print,
 ) -> dict[str, Any]:
-    """Run every cell of ``table`` with ``overrides`` and write ``<out>/<table>/summary.{md,json}``."""
+    """Run every cell of ``table`` with ``overrides`` and write ``<out>/<table>/summary.{md,json}``.
+
+    ``seeds`` > 1 runs each cell with training seeds ``0 .. seeds-1`` (``--set seed=i``: the model's
+    initialisation, the selection and the devices' sampling; the synthetic population and the evaluation
+    split stay those of ``data.seed`` and ``eval.seed``) and reports mean and standard deviation.
+    """
     if table not in TABLES:
         raise ConfigError(f"table {table!r} is not one of {', '.join(TABLES)}")
     if jobs < 1:
         raise ConfigError(f"jobs {jobs} must be >= 1")
+    if seeds < 1:
+        raise ConfigError(f"seeds {seeds} must be >= 1")
+    if seeds > 1 and any(item.split("=", 1)[0].strip() == "seed" for item in overrides):
+        raise ConfigError(
+            f"--set seed=... and --seeds {seeds} both choose the seed: --seeds runs seeds 0..{seeds - 1}"
+        )
     title, cells = TABLES[table]
     cfg_dir = Path(configs)
     missing = [c.config for c in cells if not (cfg_dir / c.config).is_file()]
@@ -136,50 +173,121 @@ def reproduce(
         )
     threads = threads or max(1, (os.cpu_count() or 1) // jobs)
     base = Path(out) / table
-    echo(f"{title}: {len(cells)} runs, {jobs} at a time, overrides {list(overrides) or 'none'}")
+    echo(
+        f"{title}: {len(cells)} cells x {seeds} seed(s), {jobs} run(s) at a time, "
+        f"overrides {list(overrides) or 'none'}"
+    )
+    runs = [
+        (cell, path, [*overrides, f"seed={i}"] if seeds > 1 else list(overrides))
+        for cell in cells
+        for i, path in enumerate(seed_dirs(base, cell, seeds))
+    ]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [
-            pool.submit(_run_cell, cfg_dir / c.config, base / Path(c.config).stem, overrides, threads)
-            for c in cells
-        ]
-        for cell, fut in zip(cells, futures, strict=True):
-            path, seconds, status = fut.result()
-            echo(f"  {cell.row} / {cell.column}: {status} ({seconds:.0f} s) -> {path}")
+        futures = [pool.submit(_run_cell, cfg_dir / c.config, d, extra, threads) for c, d, extra in runs]
+        for (cell, _, _), fut in zip(runs, futures, strict=True):
+            path, secs, status = fut.result()
+            echo(f"  {cell.row} / {cell.column}: {status} ({secs:.0f} s) -> {path}")
     rows = []
     for c in cells:
-        res_path = base / Path(c.config).stem / "results.json"
-        res = json.loads(res_path.read_text()) if res_path.is_file() else None
-        rows.append({"row": c.row, "column": c.column, "config": c.config, "paper": c.paper, "results": res})
-    summary = {"table": table, "title": title, "overrides": list(overrides), "cells": rows}
+        results = []
+        for path in seed_dirs(base, c, seeds):
+            res_path = path / "results.json"
+            results.append(json.loads(res_path.read_text()) if res_path.is_file() else None)
+        row: dict[str, Any] = {"row": c.row, "column": c.column, "config": c.config, "paper": c.paper}
+        row["results"] = results[0] if seeds == 1 else None
+        if seeds > 1:
+            row["seeds"] = results
+            row["stats"] = seed_stats(results)
+        rows.append(row)
+    summary = {"table": table, "title": title, "overrides": list(overrides), "seeds": seeds, "cells": rows}
     (base / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (base / "summary.md").write_text(format_summary(summary), encoding="utf-8")
     return summary
 
 
-def _ours(res: dict[str, Any] | None) -> str:
-    return "failed" if res is None else f"{res['accuracy_percent']:.2f}"
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1 in the denominator; 0.0 for a single value)."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mean, std
+
+
+def seed_stats(results: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Mean and standard deviation of accuracy (%), EER and AUC over the seeds that finished, with each
+    seed's accuracy; None when none finished."""
+    done = [r for r in results if r is not None]
+    if not done:
+        return None
+    stats: dict[str, Any] = {
+        "n": len(done),
+        "of": len(results),
+        "accuracy_percent_each": [r["accuracy_percent"] for r in done],
+    }
+    for key in ("accuracy_percent", "eer", "auc"):
+        stats[key], stats[f"{key}_std"] = mean_std([float(r[key]) for r in done])
+    stats["rounds_applied"] = [r["rounds_applied"] for r in done]
+    stats["rounds"] = done[0]["rounds"]
+    stats["privacy"] = done[0].get("privacy")
+    return stats
+
+
+def _privacy(p: dict[str, Any] | None) -> str:
+    if not p:
+        return "-"
+    return (
+        f"per round: paper {p['epsilon_round_paper']:.3g}, strict {p['epsilon_round_strict']:.3g}; "
+        f"whole training (delta={p['delta']:g}): paper {p['epsilon_total_paper_composed']:.4g}, "
+        f"strict {p['epsilon_total_strict']:.4g}"
+    )
+
+
+def _paper(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _one_seed_line(cell: dict[str, Any]) -> str:
+    res = cell["results"]
+    if res is None:
+        return f"| {cell['row']} | {cell['column']} | failed | {_paper(cell['paper'])} | - | - | - | - |"
+    return (
+        f"| {cell['row']} | {cell['column']} | {res['accuracy_percent']:.2f} | {_paper(cell['paper'])} | "
+        f"{100 * res['eer']:.1f}% | {res['auc']:.3f} | {res['rounds_applied']}/{res['rounds']} | "
+        f"{_privacy(res.get('privacy'))} |"
+    )
+
+
+def _seeds_line(cell: dict[str, Any]) -> str:
+    st = cell["stats"]
+    if st is None:
+        return f"| {cell['row']} | {cell['column']} | failed | - | {_paper(cell['paper'])} | - | - | - | - |"
+    n = f" (n={st['n']} of {st['of']})" if st["n"] < st["of"] else ""
+    each = ", ".join(f"{a:.2f}" for a in st["accuracy_percent_each"])
+    applied = ", ".join(f"{a}" for a in st["rounds_applied"])
+    ours = f"{st['accuracy_percent']:.2f} +- {st['accuracy_percent_std']:.2f}{n}"
+    return (
+        f"| {cell['row']} | {cell['column']} | {ours} | {each} | {_paper(cell['paper'])} | "
+        f"{100 * st['eer']:.1f}% +- {100 * st['eer_std']:.1f} | "
+        f"{st['auc']:.3f} +- {st['auc_std']:.3f} | {applied} of {st['rounds']} | {_privacy(st['privacy'])} |"
+    )
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """A markdown table: ours beside the paper's for every cell, with EER, AUC and privacy where run."""
+    """A markdown table: ours beside the paper's for every cell, with EER, AUC and privacy where run; with
+    several seeds, mean +- sample standard deviation and each seed's accuracy."""
     lines = [f"### {summary['title']}", ""]
-    lines.append("| row | column | ours (%) | paper (%) | EER | AUC | rounds applied | privacy |")
-    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for cell in summary["cells"]:
-        res = cell["results"]
-        privacy = "-"
-        if res and res.get("privacy"):
-            p = res["privacy"]
-            privacy = (
-                f"per round: paper {p['epsilon_round_paper']:.3g}, strict {p['epsilon_round_strict']:.3g}; "
-                f"whole training (delta={p['delta']:g}): paper {p['epsilon_total_paper_composed']:.4g}, "
-                f"strict {p['epsilon_total_strict']:.4g}"
-            )
-        eer = "-" if res is None else f"{100 * res['eer']:.1f}%"
-        auc = "-" if res is None else f"{res['auc']:.3f}"
-        applied = "-" if res is None else f"{res['rounds_applied']}/{res['rounds']}"
+    seeds = summary.get("seeds", 1)
+    if seeds > 1:
+        lines.append(f"Seeds 0-{seeds - 1}; overrides: {', '.join(summary['overrides']) or 'none'}.")
+        lines.append("")
         lines.append(
-            f"| {cell['row']} | {cell['column']} | {_ours(res)} | {cell['paper']:.2f} | {eer} | {auc} | "
-            f"{applied} | {privacy} |"
+            "| row | column | ours (%), mean +- std | each seed (%) | paper (%) | EER | AUC | rounds applied "
+            "| privacy |"
         )
+        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        lines += [_seeds_line(cell) for cell in summary["cells"]]
+    else:
+        lines.append("| row | column | ours (%) | paper (%) | EER | AUC | rounds applied | privacy |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        lines += [_one_seed_line(cell) for cell in summary["cells"]]
     return "\n".join(lines) + "\n"

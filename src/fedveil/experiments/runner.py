@@ -566,6 +566,7 @@ def run_experiment(
     results = {
         "name": cfg.name,
         "protocol": cfg.protocol,
+        "seed": cfg.seed,
         "runtime": getattr(network, "name", "network")
         if network is not None
         else ("ray" if ray is not None else "simulation"),
