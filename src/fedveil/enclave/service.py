@@ -49,21 +49,22 @@ the enclave; any other failure reports its exception type only.
 default). Before computing, an operation estimates what it will hold (request, plaintexts, stacked
 inputs, sealed outputs, reply) and refuses with :class:`EnclaveMemoryError` when that cannot fit;
 what is left is passed to the maths as its ``memory_limit_bytes``, which works in chunks within it.
-Every call replies its peak heap ``peak_bytes``, measured by :class:`HeapMeter`: the library calls
-whose allocations the service cannot count (Alg. 1, Eq. 2) run under :mod:`tracemalloc`, and the
-buffers the service allocates itself (request, plaintexts, stacked inputs, sealed outputs, reply)
-are counted exactly, phase by phase, plus the state kept between calls (sessions, the running
-aggregate) and a fixed slack for small objects. Tracing the whole call instead would cost about as
-much as the cryptography and framing together (every small Python allocation is traced);
-``tests/test_enclave_tee_service.py`` checks the meter against tracemalloc over whole calls.
+Every call replies ``peak_bytes``, a bound on its peak heap kept by :class:`HeapMeter`: the buffers
+the service allocates itself (request, plaintexts, stacked inputs, sealed outputs, reply) are counted
+exactly, phase by phase, plus the state kept between calls (sessions, the running aggregate) and a fixed
+slack for small objects; the library calls are bounded by construction: Alg. 1 by its memory plan
+(:attr:`~fedveil.enclave.triplet.TripletResult.workspace_bytes`, the working memory the plan chose
+its tiles to stay within), Alg. 2 and Eq. 2 by the arrays they allocate (:func:`alg2_bytes`,
+:func:`eq2_bytes`). Measuring them with :mod:`tracemalloc` instead cost a third of Alg. 1's time at
+512 participants (every small Python allocation is traced); ``tests/test_enclave_tee_service.py``
+checks the bound against tracemalloc over whole calls, and ``tests/test_enclave_triplet.py`` the plan's
+bound against tracemalloc over Alg. 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tracemalloc
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,9 +111,8 @@ _Reply = tuple[dict[str, Any], list[bytes]]
 
 
 class HeapMeter:
-    """Peak heap of one enclave call, in bytes: the largest phase declared with :meth:`hold` (exact
-    sizes of the buffers held together) or measured with :meth:`traced` (held buffers plus the
-    tracemalloc peak of a library call), on top of ``base`` (state kept between calls)."""
+    """A bound on the peak heap of one enclave call, in bytes: the largest phase declared with
+    :meth:`hold` (the sizes of the buffers held together), on top of ``base`` (state kept between calls)."""
 
     def __init__(self, base: int = 0) -> None:
         self.base = base
@@ -122,21 +122,19 @@ class HeapMeter:
         """A phase that holds ``nbytes`` of buffers at once."""
         self.peak = max(self.peak, self.base + nbytes)
 
-    @contextmanager
-    def traced(self, held: int) -> Iterator[None]:
-        """Measure the block with tracemalloc while ``held`` bytes of buffers stay alive. Under an
-        outer trace (a profiler, a test) the outer peak is left alone and the result is an upper bound."""
-        own = not tracemalloc.is_tracing()
-        if own:
-            tracemalloc.start()
-        start = tracemalloc.get_traced_memory()[0]
-        try:
-            yield
-        finally:
-            traced = tracemalloc.get_traced_memory()[1] - start
-            if own:
-                tracemalloc.stop()
-            self.hold(held + traced)
+
+def alg2_bytes(n: int, d: int) -> int:
+    """Heap that FDML Alg. 2 (:func:`~fedveil.enclave.dp.private_derivatives`) allocates around Alg. 1 for
+    ``n`` float32 embeddings of dimension ``d``, summed over its phases (an upper bound of their peak):
+    the keep mask, the kept embeddings and labels, the zero-filled derivatives, and the release's float64
+    copy, clipped copy, noise and sum, with its float32 cast."""
+    return n + (4 * d + 8) * n + 4 * n * d + 4 * 8 * n * d + 4 * n * d
+
+
+def eq2_bytes(size: int) -> int:
+    """Heap that Eq. 2 (:func:`~fedveil.enclave.aggregate.aggregate_gradients`) allocates for gradients of
+    ``size`` values: the float64 sum and term, one gradient's finiteness mask and the float32 result."""
+    return 8 * size + 8 * size + size + 4 * size
 
 
 class EnclaveMemoryError(ValidationError):
@@ -405,9 +403,11 @@ class EnclaveService:
             return {"ok": True, "loss": None, "num_active": 0, "clients": [], "rejected": rejected}, []
         n = stacked.shape[0]
         labels = np.repeat(np.arange(len(accepted), dtype=np.int64), counts)
+        held = size + stacked.nbytes + labels.nbytes
         try:
-            with meter.traced(size + stacked.nbytes + labels.nbytes):
-                result = self._step_five(config, stacked, labels, budget)
+            result = self._step_five(config, stacked, labels, budget)
+            dp = config.dp_mode is not None and self._dp_rng is not None
+            meter.hold(held + result.workspace_bytes + (alg2_bytes(n, d) if dp else 0))
         except ConfigError as exc:  # the config was validated at launch: only the memory plan can fail
             raise EnclaveMemoryError(
                 f"Alg. 1 over {n} embeddings of dimension {d} does not fit the {_mib(budget)} of enclave "
@@ -499,8 +499,8 @@ class EnclaveService:
             if state.gradient is not None:
                 members[""] = state.gradient
                 weights[""] = state.total
-            with meter.traced(size + sealed_total):
-                state.gradient = np.asarray(aggregate_gradients(members, weights))
+            state.gradient = np.asarray(aggregate_gradients(members, weights))
+            meter.hold(size + sealed_total + eq2_bytes(state.size))
             state.total += batch_total
         reply: dict[str, Any] = {"ok": True, "final": final, "clients": list(gradients), "rejected": rejected}
         out: list[bytes] = []

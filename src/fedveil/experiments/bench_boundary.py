@@ -8,7 +8,7 @@ per participant, ``dim`` wide, float32 unit vectors, labelled by participant):
 - ``direct_s``: :func:`fedveil.enclave.triplet.loss_and_derivatives` called in this process;
 - ``boundary_s``: the whole boundary path: every client seals its embeddings, the host relays them to
   the enclave (``boundary="process"``: a separate process, over pipes), the enclave opens them, runs
-  Alg. 1 under :mod:`tracemalloc`, seals each client's derivatives, and every client opens its own;
+  Alg. 1 within its memory plan, seals each client's derivatives, and every client opens its own;
 - ``enclave_call_s``: only the host's call into the enclave (IPC, enclave-side crypto and the maths),
   what the FDML server waits for while the devices seal and open their own records in parallel.
 
