@@ -97,6 +97,19 @@ def test_client_gradient_is_the_chain_rule_through_the_embeddings(toy_population
     np.testing.assert_allclose(g, p.grad.numpy(), rtol=1e-4, atol=1e-6)
 
 
+def test_devices_not_waited_for_do_not_keep_their_round_state(toy_population) -> None:
+    """With rate_p < 1 the devices whose gradients the round did not wait for are never asked to back-
+    propagate; what they kept (inputs, the cohort's traced activations) goes when the next round starts."""
+    cfg = replace(CFG, rate_p=0.5, t_grad=1e9, min_gradients=2)
+    lognormal = {"grad": PhaseFaults(latency=LatencyModel("lognormal", 0.5, 0.5))}
+    server, rt, pool, _ = _setup(toy_population, cfg, faults=lognormal)
+    for rnd in range(1, 6):
+        report = _rounds(server, rt, 1, start=rnd)[0]
+        assert report.applied and report.gradients == 2
+        # only this round's unasked devices are left, never an earlier round's
+        assert len(pool._pending) == 2 and {p.round for p in pool._pending.values()} == {rnd}
+
+
 def test_training_reduces_the_triplet_loss(toy_population) -> None:
     server, rt, _, _ = _setup(toy_population, replace(CFG, lr=3e-3))
     reports = _rounds(server, rt, 30)

@@ -487,6 +487,12 @@ class FDMLClients:
         return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(n, *self.input_shape)
 
     def _embed(self, msgs: Mapping[ClientId, EmbedRequest]) -> dict[ClientId, object]:
+        # Rounds and attempts only move forward: what a device kept for an earlier one can no longer be
+        # asked for (Alg. 3 ends a round before the next starts). Without this, the devices whose
+        # gradients were not waited for (rate_p < 1, upload failures) kept their inputs and the whole
+        # cohort's traced activations alive until they were next selected: gigabytes over a run.
+        newest = max((m.round, m.attempt) for m in msgs.values())
+        self._pending = {c: p for c, p in self._pending.items() if (p.round, p.attempt) >= newest}
         params: dict[int, torch.Tensor] = {}
         xs = {}
         for cid, m in msgs.items():
