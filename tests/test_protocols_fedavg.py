@@ -1,4 +1,5 @@
-"""FL-traditional (FedAvg + softmax head): batched equals one-by-one, averaging, bad settings."""
+"""FL-traditional (FedAvg + softmax head): batched equals one-by-one, the written-out backward equals
+autograd, averaging, bad settings."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fedveil.core.aggregation import weighted_average
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
+from fedveil.protocols import fedavg
 from fedveil.protocols.fedavg import EmbeddingClassifier, FedAvgClients, FedAvgConfig, FedAvgServer
 from fedveil.protocols.messages import TrainRequest
 from fedveil.runtime.simulation import LatencyModel, PhaseFaults, SimulationRuntime
@@ -39,12 +41,86 @@ def _rounds(server, rt, n):
     return asyncio.run(go())
 
 
-def test_batched_equals_one_by_one(toy_population) -> None:
-    a, rta, _, _ = _setup(toy_population, replace(CFG, local_steps=2), batched=True)
-    b, rtb, _, _ = _setup(toy_population, replace(CFG, local_steps=2), batched=False)
+@pytest.mark.parametrize("local_steps", [1, 2])
+def test_batched_equals_one_by_one(toy_population, local_steps) -> None:
+    """A few whole rounds: the batched devices (one step: the written-out backward; two: vmap) end at
+    the one-by-one autograd devices' weights."""
+    a, rta, pool, _ = _setup(toy_population, replace(CFG, local_steps=local_steps), batched=True)
+    b, rtb, _, _ = _setup(toy_population, replace(CFG, local_steps=local_steps), batched=False)
+    assert pool.written_backward
     _rounds(a, rta, 3)
     _rounds(b, rtb, 3)
     np.testing.assert_allclose(a.weights, b.weights, rtol=1e-5, atol=1e-6)
+
+
+def _pools(pop, flat):
+    ids = pop.train_user_ids()
+    attrs = {u: dict(pop.train.user(u).attributes) for u in ids}
+    fast = FedAvgClients(pop, flat, attributes=attrs, seed=0)
+    slow = FedAvgClients(pop, flat, attributes=attrs, seed=0, written_backward=False)
+    return fast, slow
+
+
+@pytest.mark.parametrize("local_steps", [1, 2])
+def test_written_backward_equals_vmap_per_device(toy_population, monkeypatch, local_steps) -> None:
+    """Each device's new weights from the written-out backward (one step) equal vmap's; with two steps
+    both pools take vmap. The pools draw the same samples (same seed, same calls)."""
+    torch.manual_seed(0)
+    ids = toy_population.train_user_ids()
+    flat = FlatModel(EmbeddingClassifier(TouchAuthNet(), 64, len(ids)))
+    fast, slow = _pools(toy_population, flat)
+    assert fast.written_backward and not slow.written_backward
+    w = flat.initial()
+    msgs = {c: TrainRequest(1, 0.1, 5, local_steps, w) for c in ids[2:9]}
+    expected = slow.handle_batch(msgs)
+    if local_steps == 1:
+
+        def no_vmap(*args, **kwargs):
+            raise AssertionError("a one-step cohort went through vmap")
+
+        monkeypatch.setattr(fedavg, "local_train_cohort", no_vmap)
+    got = fast.handle_batch(msgs)
+    for c in msgs:
+        assert got[c].num_samples == 5
+        torch.testing.assert_close(
+            torch.from_numpy(got[c].weights), torch.from_numpy(expected[c].weights), rtol=1e-5, atol=1e-6
+        )
+        assert not np.array_equal(got[c].weights, w)
+
+
+def test_written_backward_gradient_is_each_devices_autograd(toy_population) -> None:
+    """Brute force: with lr 1 the step's ``w - new`` is each device's own gradient, which autograd gives
+    from that device's loss alone (cross-entropy, mean over its own samples)."""
+    torch.manual_seed(1)
+    ids = toy_population.train_user_ids()
+    flat = FlatModel(EmbeddingClassifier(TouchAuthNet(), 64, len(ids)))
+    fast, _ = _pools(toy_population, flat)
+    k, n = 5, 4
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(np.stack([toy_population.sample_training(u, n, rng) for u in ids[:k]]))
+    x = x.reshape(k, n, 1, 30, 10)
+    y = torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1], [2, 2, 7, 2], [9, 3, 3, 3], [4, 4, 4, 4]])
+    w = torch.from_numpy(flat.initial())
+    new = fast._traced_sgd_step(w, x, y, 1.0)
+    assert new.shape == (k, flat.num_params)
+    for i in range(k):
+        p = w.clone().requires_grad_(True)
+        torch.nn.functional.cross_entropy(flat(p, x[i]), y[i]).backward()
+        torch.testing.assert_close(w - new[i], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_written_backward_needs_a_traceable_embedding(toy_population) -> None:
+    """Another embedding network (no ``trace``/``layer_deltas``) trains by vmap."""
+    torch.manual_seed(0)
+    ids = toy_population.train_user_ids()
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(300, 64))
+    flat = FlatModel(EmbeddingClassifier(net, 64, len(ids)))
+    fast, slow = _pools(toy_population, flat)
+    assert not fast.written_backward
+    msgs = {c: TrainRequest(1, 0.1, 3, 1, flat.initial()) for c in ids[:4]}
+    got, expected = fast.handle_batch(msgs), slow.handle_batch(msgs)
+    for c in msgs:
+        np.testing.assert_array_equal(got[c].weights, expected[c].weights)
 
 
 def test_one_local_step_is_sgd_on_the_clients_class(toy_population) -> None:

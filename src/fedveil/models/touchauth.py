@@ -90,25 +90,19 @@ class TouchAuthNet(nn.Module):
             weights = [w.detach().clone() for w, _ in self._affine_layers()]
         return TouchAuthTrace(out, tuple(inputs), index, tuple(weights))
 
-    def group_gradients(
-        self, trace: TouchAuthTrace, rows: torch.Tensor, derivatives: torch.Tensor, groups: int
-    ) -> torch.Tensor:
-        """Per-group parameter gradients of ``sum_j <derivatives_j, f(x_j)>`` as one ``(groups, P)`` matrix.
+    def layer_deltas(
+        self, trace: TouchAuthTrace, rows: torch.Tensor | slice, derivatives: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The written-out backward pass of ``sum_j <derivatives_j, f(x_j)>`` over the traced ``rows``.
 
-        ``rows`` (``groups * n`` indices into the traced batch) list ``groups`` consecutive runs of ``n``
-        samples (one run per FDML device) and ``derivatives`` ``(groups * n, embedding_dim)`` the dL/de
-        each device received. The backward pass is written out: each layer's output derivative is
-        ``δ_k = (δ_{k+1} W_{k+1}) ⊙ relu'``, routed back through the max-pool by its argmax; each
-        device's weight gradient is then ``sum δ_k^T h_{k-1}`` over its own samples and events (a batched
-        matrix product) and its bias gradient ``sum δ_k``. Columns follow ``self.parameters()``, so a
-        row is the flat gradient a device uploads (FDML Fig. 2, step 7).
+        ``derivatives`` ``(len(rows), embedding_dim)`` is dL/de of each sample. Returns, for each of the
+        five affine layers in ``self.parameters()`` order, its input ``h_{k-1}`` and output derivative
+        ``δ_k``, each ``(samples, positions, features)`` (positions: the events a layer is applied to; 1 for
+        the final linear layer). ``δ_5`` is ``derivatives``; below it ``δ_k = (δ_{k+1} W_{k+1}) ⊙ relu'``,
+        routed back through the max-pool by its argmax. A layer's weight gradient over any set of samples
+        is ``sum δ_k^T h_{k-1}`` over them and their positions, its bias gradient ``sum δ_k``.
         """
-        batch = rows.shape[0]
-        if batch % groups:
-            raise ValueError(f"{batch} samples do not split into {groups} equal groups")
-        first = int(rows[0]) if batch else 0
-        if torch.equal(rows, torch.arange(first, first + batch)):
-            rows = slice(first, first + batch)
+        batch = derivatives.shape[0]
         h0, h1, h2, h3, h4 = (h[rows] for h in trace.inputs)
         _, w2, w3, w4, w5 = trace.weights
         d5 = derivatives.reshape(batch, -1)
@@ -120,8 +114,30 @@ class TouchAuthNet(nn.Module):
         d2.scatter_add_(2, trace.pool_index[rows], g2)
         d2 = d2.transpose(1, 2)
         d1 = (d2 @ w2) * (h1 > 0)
+        return [(h0, d1), (h1, d2), (h2, d3), (h3, d4), (h4.unsqueeze(1), d5.unsqueeze(1))]
+
+    def group_gradients(
+        self, trace: TouchAuthTrace, rows: torch.Tensor, derivatives: torch.Tensor, groups: int
+    ) -> torch.Tensor:
+        """Per-group parameter gradients of ``sum_j <derivatives_j, f(x_j)>`` as one ``(groups, P)`` matrix.
+
+        ``rows`` (``groups * n`` indices into the traced batch) list ``groups`` consecutive runs of ``n``
+        samples (one run per FDML device) and ``derivatives`` ``(groups * n, embedding_dim)`` the dL/de
+        each device received. The backward pass is written out (:meth:`layer_deltas`): each layer's output
+        derivative is ``δ_k = (δ_{k+1} W_{k+1}) ⊙ relu'``, routed back through the max-pool by its argmax;
+        each device's weight gradient is then ``sum δ_k^T h_{k-1}`` over its own samples and events (a
+        batched matrix product) and its bias gradient ``sum δ_k``. Columns follow ``self.parameters()``, so
+        a row is the flat gradient a device uploads (FDML Fig. 2, step 7).
+        """
+        batch = rows.shape[0]
+        if batch % groups:
+            raise ValueError(f"{batch} samples do not split into {groups} equal groups")
+        first = int(rows[0]) if batch else 0
+        picked: torch.Tensor | slice = rows
+        if torch.equal(rows, torch.arange(first, first + batch)):
+            picked = slice(first, first + batch)
         pieces = []
-        for h, delta in ((h0, d1), (h1, d2), (h2, d3), (h3, d4), (h4.unsqueeze(1), d5.unsqueeze(1))):
+        for h, delta in self.layer_deltas(trace, picked, derivatives):
             h_g = h.reshape(groups, -1, h.shape[-1])
             d_g = delta.reshape(groups, -1, delta.shape[-1])
             pieces.append(torch.bmm(d_g.transpose(1, 2), h_g).reshape(groups, -1))

@@ -715,6 +715,14 @@ class FedAvgClients:
     Local training is the engine's (:func:`~fedveil.protocols.local.local_train`, or
     :func:`~fedveil.protocols.local.local_train_cohort` when ``batched``: all addressed devices together);
     both paths give equal numbers (``tests/test_protocols_fedavg.py``).
+
+    The paper's FL-traditional devices take one step per round (FDML Sec. VIII-B1). When ``batched``
+    devices that received the same weights take that single step, and the model is an
+    :class:`EmbeddingClassifier` whose embedding writes out its own backward pass (``trace`` and
+    ``layer_deltas``, as :class:`~fedveil.models.touchauth.TouchAuthNet`), the step is
+    :meth:`_traced_sgd_step`: one forward and one backward pass for the whole cohort, instead of
+    ``vmap`` over per-device autograd, with the same numbers (tested). ``written_backward=False`` always
+    takes the ``vmap`` path (the reference in tests and ``benchmarks/fl_traditional_backward.py``).
     """
 
     def __init__(
@@ -726,6 +734,7 @@ class FedAvgClients:
         seed: int,
         batched: bool = True,
         input_shape: tuple[int, ...] = (1, 30, 10),
+        written_backward: bool = True,
     ) -> None:
         self.data = data
         self.flat = flat
@@ -735,6 +744,14 @@ class FedAvgClients:
         self.rngs = {cid: client_rng(seed, i) for i, cid in enumerate(self.ids)}
         self.batched = batched
         self.input_shape = input_shape
+        module = flat.module
+        self.written_backward = (
+            written_backward
+            and not flat.buffer_names
+            and isinstance(module, EmbeddingClassifier)
+            and hasattr(module.embedding, "trace")
+            and hasattr(module.embedding, "layer_deltas")
+        )
 
     def client_ids(self) -> list[ClientId]:
         """Every device of the population."""
@@ -758,11 +775,57 @@ class FedAvgClients:
     def _loss(self, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(self.flat(p, x), y)
 
+    def _traced_sgd_step(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
+        """One SGD step of each of ``K`` devices from the same weights ``w`` (FDML Sec. VIII-B1's
+        FL-traditional iteration) with a written-out backward: ``(K, P)`` new weights.
+
+        ``x`` ``(K, n, ...)`` and ``y`` ``(K, n)`` are each device's samples and labels; device ``k``'s loss
+        is ``L_k = (1/n) sum_j CE(W_h e_kj + b_h, y_kj)``, ``e = f(x)`` the embedding network. The chain rule,
+        for all ``K n`` samples at once:
+
+        - one traced forward pass of the embedding network (:meth:`TouchAuthNet.trace`) and the head's
+          logits ``z = W_h e + b_h``;
+        - the cross-entropy's derivative ``dL_k/dz_kj = (softmax(z_kj) - onehot(y_kj)) / n``;
+        - the head's gradients ``dL_k/dW_h = sum_j (dL_k/dz_kj)^T e_kj``, ``dL_k/db_h = sum_j dL_k/dz_kj``;
+        - ``dL_k/de_kj = (dL_k/dz_kj) W_h``, back-propagated through the embedding network
+          (:meth:`TouchAuthNet.layer_deltas`) to every affine layer's input ``h`` and output derivative
+          ``δ``, whose per-device gradients are ``sum δ^T h`` and ``sum δ`` over the device's own samples.
+
+        The step is ``LocalOptimizer(lr=lr)``'s first (plain SGD, ``p - lr g``), fused into the per-device
+        gradient's batched matrix product (``W - lr δ^T h`` by ``baddbmm``) that writes each device's new
+        layer straight into its row of the result, in the flat model's parameter order (the embedding's
+        layers, then the head).
+        """
+        module = self.flat.module
+        k, n = y.shape
+        self.flat.load_into_module(w.numpy())
+        trace = module.embedding.trace(x.reshape(k * n, *x.shape[2:]))
+        params = list(self.flat.unflatten(w).values())
+        head_w, head_b = params[-2], params[-1]
+        d_logits = torch.softmax(nn.functional.linear(trace.out, head_w, head_b), dim=1)
+        d_logits[torch.arange(k * n), y.reshape(-1)] -= 1.0
+        d_logits /= n
+        layers = module.embedding.layer_deltas(trace, slice(0, k * n), d_logits @ head_w)
+        layers.append((trace.out.unsqueeze(1), d_logits.unsqueeze(1)))
+        new = torch.empty(k, self.flat.num_params, dtype=w.dtype)
+        start = 0
+        for (h, delta), weight, bias in zip(layers, params[0::2], params[1::2], strict=True):
+            rows, cols = delta.shape[-1], h.shape[-1]
+            h_k = h.reshape(k, -1, cols)
+            d_k = delta.reshape(k, -1, rows)
+            out_w = new[:, start : start + rows * cols].view(k, rows, cols)
+            torch.baddbmm(weight.reshape(rows, cols), d_k.transpose(1, 2), h_k, alpha=-lr, out=out_w)
+            start += rows * cols
+            torch.add(bias, d_k.sum(1), alpha=-lr, out=new[:, start : start + rows])
+            start += rows
+        return new
+
     def _train(self, msgs: Mapping[ClientId, TrainRequest]) -> dict[ClientId, object]:
         weights: dict[int, torch.Tensor] = {}
         data = {}
         for cid, m in msgs.items():
-            weights.setdefault(id(m.weights), as_tensor(m.weights))
+            if id(m.weights) not in weights:  # devices sent the same array share one copy
+                weights[id(m.weights)] = as_tensor(m.weights)
             x = self.data.sample_training(cid, m.num_samples, self.rngs[cid])
             x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(
                 m.num_samples, *self.input_shape
@@ -775,8 +838,11 @@ class FedAvgClients:
                 groups.setdefault((id(m.weights), m.num_samples, m.lr, m.local_steps), []).append(cid)
             for (wid, _, lr, steps), group in groups.items():
                 batch = (torch.stack([data[c][0] for c in group]), torch.stack([data[c][1] for c in group]))
-                p = weights[wid].expand(len(group), -1).clone()
-                p, _ = local_train_cohort(self._loss, p, [batch] * steps, LocalOptimizer(lr=lr), lr)
+                if steps == 1 and self.written_backward:
+                    p = self._traced_sgd_step(weights[wid], *batch, lr)
+                else:
+                    p = weights[wid].expand(len(group), -1).clone()
+                    p, _ = local_train_cohort(self._loss, p, [batch] * steps, LocalOptimizer(lr=lr), lr)
                 new.update({c: p[i].detach().numpy() for i, c in enumerate(group)})
         else:
             for cid, m in msgs.items():
