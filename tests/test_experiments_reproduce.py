@@ -106,3 +106,11 @@ def test_mean_std_and_seed_conflict(tmp_path: Path) -> None:
         reproduce("table1", configs=CONFIGS, out=tmp_path, overrides=["seed=3"], seeds=2)
     with pytest.raises(ConfigError, match="seeds 0 must be >= 1"):
         reproduce("table1", configs=CONFIGS, out=tmp_path, seeds=0)
+    with pytest.raises(ConfigError, match=r"cells \[0, 4\]: table1 has cells 1 to 3"):
+        reproduce("table1", configs=CONFIGS, out=tmp_path, only=[0, 4])
+
+
+def test_only_some_cells(tmp_path: Path) -> None:
+    summary = reproduce("table1", configs=CONFIGS, out=tmp_path, overrides=TINY, only=[2], echo=print)
+    assert [c["column"] for c in summary["cells"]] == ["FL (lr=0.1)"]
+    assert not (tmp_path / "table1" / "table1_fdml").exists()

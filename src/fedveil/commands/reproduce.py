@@ -35,7 +35,21 @@ def register(subparsers: Any) -> None:
         help="training seeds per cell: N runs each cell with seed=0..N-1 into OUT/TABLE/<config>/seed<i>/ "
         "and reports mean +- std (default 1: the config's seed, into OUT/TABLE/<config>/)",
     )
+    p.add_argument(
+        "--cells",
+        type=_positions,
+        default=None,
+        metavar="I,J,...",
+        help="run only these cells, by their 1-based position in the table (default: all)",
+    )
     p.set_defaults(func=run)
+
+
+def _positions(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positions") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         threads=args.threads,
         seeds=args.seeds,
+        only=args.cells,
     )
     print((args.out / args.table / "summary.md").read_text())
     failed = [c for c in summary["cells"] if c["results"] is None and not (c.get("stats") or {}).get("n")]

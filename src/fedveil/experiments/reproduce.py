@@ -146,6 +146,7 @@ def reproduce(
     jobs: int = 1,
     threads: int | None = None,
     seeds: int = 1,
+    only: Sequence[int] | None = None,
     echo: Any = print,
 ) -> dict[str, Any]:
     """Run every cell of ``table`` with ``overrides`` and write ``<out>/<table>/summary.{md,json}``.
@@ -153,6 +154,7 @@ def reproduce(
     ``seeds`` > 1 runs each cell with training seeds ``0 .. seeds-1`` (``--set seed=i``: the model's
     initialisation, the selection and the devices' sampling; the synthetic population and the evaluation
     split stay those of ``data.seed`` and ``eval.seed``) and reports mean and standard deviation.
+    ``only`` runs (and summarises) just the cells of those 1-based positions in the table.
     """
     if table not in TABLES:
         raise ConfigError(f"table {table!r} is not one of {', '.join(TABLES)}")
@@ -165,6 +167,11 @@ def reproduce(
             f"--set seed=... and --seeds {seeds} both choose the seed: --seeds runs seeds 0..{seeds - 1}"
         )
     title, cells = TABLES[table]
+    if only is not None:
+        bad = [i for i in only if not 1 <= i <= len(cells)]
+        if bad or not only:
+            raise ConfigError(f"cells {list(only)}: {table} has cells 1 to {len(cells)}")
+        cells = [cells[i - 1] for i in sorted(set(only))]
     cfg_dir = Path(configs)
     missing = [c.config for c in cells if not (cfg_dir / c.config).is_file()]
     if missing:
