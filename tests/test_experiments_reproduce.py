@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedveil.errors import ConfigError
-from fedveil.experiments.reproduce import TABLES, mean_std, reproduce
+from fedveil.experiments.reproduce import TABLES, mean_std, reproduce, run_curves
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 TINY = [
@@ -78,6 +78,10 @@ def test_seeds_give_mean_and_std_and_a_cut_run_resumes(tmp_path: Path) -> None:
     md = (tmp_path / "partial" / "summary.md").read_text()
     assert "mean +- std" in md and "| 51 gradients of 51 | 51 participants, rate_p=1 |" in md
     assert "| - |" in md  # no paper number for the control cell
+    assert (tmp_path / "partial" / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    curves = run_curves(tmp_path / "partial" / "table1_fdml" / "seed0")
+    assert [r for r, _ in curves["loss"]] == [1.0, 2.0] and [r for r, _ in curves["accuracy"]] == [2.0]
+    assert run_curves(tmp_path / "nowhere") == {}
     # a run cut off after its checkpoint continues from it instead of starting again
     cut = tmp_path / "partial" / "table1_fdml" / "seed1"
     done = json.loads((cut / "results.json").read_text())

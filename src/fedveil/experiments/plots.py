@@ -46,6 +46,49 @@ def plot_series(
     return out
 
 
+def plot_seed_curves(
+    curves: Mapping[str, Sequence[Mapping[str, Sequence[tuple[float, float]]]]],
+    path: str | Path,
+    *,
+    title: str,
+    panels: Sequence[tuple[str, str]],
+) -> Path:
+    """One panel per ``(key, ylabel)`` of ``panels``; in each, one line per named cell of ``curves``: the
+    mean over that cell's runs (seeds) of the series ``key``, with a band from the runs' minimum to their
+    maximum. A run's series is ``(x, y)`` points; the runs of a cell are averaged at the x values they
+    share. Series with more than 50 points are drawn as running means (window ``len / 50``)."""
+    fig = Figure(figsize=(6.0 * len(panels), 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    for index, (key, ylabel) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), index + 1)
+        for name, runs in curves.items():
+            series = [dict(run.get(key, ())) for run in runs]
+            shared = sorted(set.intersection(*(set(s) for s in series))) if series else []
+            if not shared:
+                continue
+            x = np.asarray(shared, dtype=float)
+            ys = np.array([[s[v] for v in shared] for s in series], dtype=float)
+            window = max(1, len(x) // 50)
+            if window > 1:
+                kernel = np.ones(window) / window
+                ys = np.array([np.convolve(y, kernel, mode="valid") for y in ys])
+                x = x[window - 1 :]
+            label = f"{name} ({len(series)} run{'s' * (len(series) > 1)})"
+            (line,) = ax.plot(x, ys.mean(axis=0), marker="o" if len(x) < 20 else None, label=label)
+            if len(series) > 1:
+                ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=line.get_color(), alpha=0.2)
+        ax.set_xlabel("round")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    return out
+
+
 TIMING_PARTS = ("ttd", "tte", "ttr", "ttp")
 
 

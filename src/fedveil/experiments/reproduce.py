@@ -8,9 +8,10 @@ Each table is a list of cells; each cell is one experiment config in ``configs/`
 paper reports for it. :func:`reproduce` runs the cells (as ``fedveil run`` subprocesses, several at a
 time), each with ``seeds`` training seeds, skips runs whose ``results.json`` already exists and continues a
 run that was cut off from its checkpoint (so an interrupted reproduction resumes where it stopped), and
-writes ``summary.md`` / ``summary.json``: our number (the mean +- sample standard deviation over the seeds)
-beside the paper's, the scale used, and for DP cells the paper's per-round epsilon and the whole-training
-epsilon under both accountings.
+writes ``summary.md`` / ``summary.json`` and ``summary.png`` (each cell's training loss and test
+accuracy against the round, mean and range over the seeds): our number (the mean +- sample standard
+deviation over the seeds) beside the paper's, the scale used, and for DP cells the paper's per-round
+epsilon and the whole-training epsilon under both accountings.
 """
 
 from __future__ import annotations
@@ -209,7 +210,36 @@ def reproduce(
     summary = {"table": table, "title": title, "overrides": list(overrides), "seeds": seeds, "cells": rows}
     (base / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (base / "summary.md").write_text(format_summary(summary), encoding="utf-8")
+    from fedveil.experiments.plots import plot_seed_curves  # matplotlib: only once there is a plot
+
+    curves = {
+        f"{c.row} / {c.column}": [run_curves(path) for path in seed_dirs(base, c, seeds)] for c in cells
+    }
+    plot_seed_curves(
+        {name: [r for r in runs if r] for name, runs in curves.items()},
+        base / "summary.png",
+        title=f"{title}; band: min-max over seeds",
+        panels=(("loss", "training loss (step 5 / FedAvg)"), ("accuracy", "test accuracy (%)")),
+    )
     return summary
+
+
+def run_curves(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
+    """A run's training loss per round and test accuracy (%) per evaluation, from its ``metrics.jsonl``
+    (empty when the run has none)."""
+    path = run_dir / "metrics.jsonl"
+    curves: dict[str, list[tuple[float, float]]] = {"loss": [], "accuracy": []}
+    if not path.is_file():
+        return {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "eval" in row:
+            curves["accuracy"].append((float(row["eval"]["round"]), float(row["eval"]["accuracy_percent"])))
+        elif row.get("loss") is not None:
+            curves["loss"].append((float(row["round"]), float(row["loss"])))
+    return curves
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
