@@ -3,28 +3,40 @@ release is attacked as its observer would (with and without the last layer kept 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
+from fedveil.errors import ConfigError
+from fedveil.experiments import ppfl_attacks
 from fedveil.experiments.attack_runs import membership_run
+from fedveil.experiments.fedavg_images import FedAvgRun
 from fedveil.experiments.ppfl_attacks import ppfl_attack_table
 
+TINY = {
+    "aux_examples": 40,
+    "head_epochs": 1,
+    "dra_targets": 1,
+    "dra_iterations": 3,
+    "pia_clients": 4,
+    "pia_rounds": 1,
+    "e2e": False,
+    "progress": False,
+}
 
-def test_table_2_harness_runs_each_attack_on_what_each_observer_sees(tmp_path: Path) -> None:
-    images = membership_run(
-        data="synthetic-fashion-mnist:1500", clients=3, samples_per_client=16, rounds=2, local_epochs=1
+
+def _images(**kw: object) -> FedAvgRun:
+    return membership_run(
+        data="synthetic-fashion-mnist:1500", clients=3, samples_per_client=16, rounds=2, local_epochs=1, **kw
     )
-    summary = ppfl_attack_table(
-        images=images,
-        aux_examples=40,
-        head_epochs=1,
-        dra_targets=1,
-        dra_iterations=3,
-        pia_clients=4,
-        pia_rounds=1,
-        e2e=False,
-        out=tmp_path,
-        progress=False,
-    )
+
+
+def test_table_2_harness_runs_each_attack_on_what_each_observer_sees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    images = _images()
+    summary = ppfl_attack_table(images=images, out=tmp_path, **TINY)
     attacks = summary["attacks"]
     assert summary["run"]["synthetic_data"] is True
     assert attacks["dra/ppfl"]["result"] == "no plaintext view" and attacks["dra/ppfl"]["sealed_views"] > 0
@@ -35,3 +47,11 @@ def test_table_2_harness_runs_each_attack_on_what_each_observer_sees(tmp_path: P
     assert "head trained on auxiliary data" in attacks["mia-yeom/ppfl"]["observer"]
     assert attacks["mia-yeom/ppfl-released"]["observer"] == "observer: released whole model"
     assert (tmp_path / "ppfl_attacks.json").exists()
+    # each part is kept as it finishes: a rerun reads them instead of training again
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == ["ppfl-kept.json", "ppfl-released.json"]
+    monkeypatch.setattr(ppfl_attacks, "train_ppfl", lambda *a, **k: pytest.fail("a finished part ran again"))
+    again = ppfl_attack_table(images=images, out=tmp_path, **TINY)
+    assert again["attacks"] == json.loads((tmp_path / "ppfl_attacks.json").read_text())["attacks"]
+    assert again["attacks"] == summary["attacks"]
+    with pytest.raises(ConfigError, match="written by a run with other settings"):
+        ppfl_attack_table(images=_images(seed=1), out=tmp_path, **TINY)

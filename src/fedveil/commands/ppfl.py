@@ -44,7 +44,12 @@ def register(subparsers: Any) -> None:
     a.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
     a.add_argument("--dra-targets", type=int, default=5, help="batch-1 uploads DLG attacks (default 5)")
     a.add_argument("--seed", type=int, default=0, help="seed of everything random (default 0)")
-    a.add_argument("--out", type=Path, default=None, help="folder for ppfl_attacks.json")
+    a.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for ppfl_attacks.json and each finished part (parts/); a rerun resumes from them",
+    )
     a.add_argument("--json", action="store_true", help="print the JSON report")
     t = actions.add_parser(
         "transfer", help="Appendix A.1: public-data fraction vs client-trained last layers"

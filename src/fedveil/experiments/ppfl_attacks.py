@@ -19,6 +19,9 @@ and by PPFL with the last layer kept in the TEEs. An observer taps every byte of
   on auxiliary data from the same distribution (examples that are neither members nor candidates) and to
   attack that model (the "adaptive" row). PPFL without the option releases the whole model (the
   "released" row), which shows what the TEE-kept last layer buys.
+
+With an output folder, each part (E2E's attacks, PPFL with the last layer kept, PPFL released) is written
+to ``parts/`` as it finishes, and a rerun with the same settings reads it instead of running it again.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from fedveil.attacks.observe import WireObserver
 from fedveil.attacks.pia_melis import melis_attack
 from fedveil.attacks.views import ModelView, NoPlaintextView
 from fedveil.core.atomic import atomic_write
+from fedveil.errors import ConfigError
 from fedveil.experiments.attack_runs import membership_run, run_inversion, run_membership, run_property
 from fedveil.experiments.fedavg_images import FedAvgRun, split_images
 from fedveil.experiments.ppfl_runner import PpflRun, train_ppfl
@@ -89,6 +93,26 @@ def _attacker_head(
             nn.functional.cross_entropy(head(features[idx]), y[idx]).backward()
             opt.step()
     return nn.Sequential(frozen, head.eval().requires_grad_(False))
+
+
+def _part(out: Path | None, name: str, settings: dict[str, Any], compute: Any) -> dict[str, Any]:
+    """The table rows of one part of the run: read from ``out/parts/<name>.json`` when an earlier run with
+    the same ``settings`` finished it, else computed and written there (so an interrupted run resumes
+    from the last finished part). Rows are stored as plain JSON (scores as their ``as_dict``)."""
+    path = None if out is None else out / "parts" / f"{name}.json"
+    if path is not None and path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("settings") != settings:
+            raise ConfigError(
+                f"{path} was written by a run with other settings; use another --out or delete {path.parent}"
+            )
+        return dict(saved["rows"])
+    rows = {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in compute().items()}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"settings": settings, "rows": rows}, indent=2, sort_keys=True) + "\n"
+        atomic_write(path, text.encode())
+    return rows
 
 
 def _no_view(attack: str, views: list[Any], call: Any) -> dict[str, Any]:
@@ -145,8 +169,19 @@ def ppfl_attack_table(
         seed=images.seed,
     )
     table: dict[str, Any] = {}
-    # --- E2E: DRA, PIA, MIA on plaintext views ---
-    if e2e:
+    settings = {
+        "images": repr(images),
+        "ppfl": repr(cfg),
+        "tee_mib": tee_mib,
+        "aux_examples": aux_examples,
+        "head_epochs": head_epochs,
+        "dra": [dra_targets, dra_iterations],
+        "pia": [pia_clients, pia_rounds],
+    }
+
+    def e2e_rows() -> dict[str, Any]:
+        """DRA, PIA, MIA on E2E FedAvg's plaintext views."""
+        rows: dict[str, Any] = {}
         dra = run_inversion(
             "dlg",
             model=images.model,
@@ -157,23 +192,29 @@ def ppfl_attack_table(
             view="fedavg",
             seed=images.seed,
         )
-        table["dra/e2e"] = {
+        rows["dra/e2e"] = {
             k: dra[k] for k in ("attack", "view", "mse", "psnr", "ssim", "recovered", "targets")
         }
         pia = run_property(
             data=images.data, model=images.model, clients=pia_clients, rounds=pia_rounds, seed=images.seed
         )
-        table["pia/e2e"] = pia["attacks"]["melis/target"]
-        table["pia/e2e-control"] = pia["attacks"]["melis/control"]
+        rows["pia/e2e"] = pia["attacks"]["melis/target"]
+        rows["pia/e2e-control"] = pia["attacks"]["melis/control"]
         mia = run_membership(attacks=("yeom", "nasr"), run=images, seed=images.seed, progress=progress)
         for key, value in mia["attacks"].items():
             name, which = key.split("/")
-            table[f"mia-{name}/e2e" + ("" if which == "target" else "-control")] = value
+            rows[f"mia-{name}/e2e" + ("" if which == "target" else "-control")] = value
+        return rows
+
+    if e2e:
+        table.update(_part(out, "e2e", settings, e2e_rows))
     # --- PPFL: what its observer sees ---
     split = split_images(images)
     shape = split.members.image_shape
     aux_x, aux_y = split.non_members.x[:8], split.non_members.y[:8]
-    for keep in (True, False):
+
+    def ppfl_rows(keep: bool) -> dict[str, Any]:
+        rows: dict[str, Any] = {}
         run = _ppfl_run(images, replace(cfg, keep_classifier_in_tee=keep), tee_mib)
         # PPFL sends no plaintext FitRequest/FitReply, so the observer's model and plan are never used
         stand_in = FlatModel(nn.Linear(1, 1))
@@ -187,19 +228,25 @@ def ppfl_attack_table(
         views = [v for rnd in sorted(observer.rounds) for v in observer.client_views(rnd)]
         suffix = "" if keep else "-released"
         if keep:
-            table["dra/ppfl"] = _no_view(
+            rows["dra/ppfl"] = _no_view(
                 "dlg", views, lambda v: dlg_attack(v, image_shape=shape, iterations=1)
             )
-            table["pia/ppfl"] = _no_view(
+            rows["pia/ppfl"] = _no_view(
                 "melis",
                 views,
                 lambda v: melis_attack(
                     [v], np.zeros(1, bool), aux_x, aux_y, np.zeros(8, bool), rng=np.random.default_rng(0)
                 ),
             )
-        table.update(_ppfl_membership(trained, split, images, aux_examples, head_epochs, keep, suffix))
-        table[f"ppfl{suffix}/accuracy"] = trained.final.get(
+        rows.update(_ppfl_membership(trained, split, images, aux_examples, head_epochs, keep, suffix))
+        rows[f"ppfl{suffix}/accuracy"] = trained.final.get(
             "accuracy", trained.server.reports[-1].rounds[-1].get("accuracy")
+        )
+        return rows
+
+    for keep in (True, False):
+        table.update(
+            _part(out, "ppfl-kept" if keep else "ppfl-released", settings, lambda k=keep: ppfl_rows(k))
         )
     summary = {
         "run": {
