@@ -406,8 +406,7 @@ class EnclaveService:
         held = size + stacked.nbytes + labels.nbytes
         try:
             result = self._step_five(config, stacked, labels, budget)
-            dp = config.dp_mode is not None and self._dp_rng is not None
-            meter.hold(held + result.workspace_bytes + (alg2_bytes(n, d) if dp else 0))
+            meter.hold(held + result.workspace_bytes)
         except ConfigError as exc:  # the config was validated at launch: only the memory plan can fail
             raise EnclaveMemoryError(
                 f"Alg. 1 over {n} embeddings of dimension {d} does not fit the {_mib(budget)} of enclave "
@@ -436,7 +435,8 @@ class EnclaveService:
         self, config: EnclaveConfig, stacked: np.ndarray, labels: np.ndarray, budget: int
     ) -> TripletResult:
         """FDML step 5: Alg. 1, or Alg. 2 around it when the measured config enables DP (the loss and
-        active count are then those of the kept embeddings; the derivatives are the released ones)."""
+        active count are then those of the kept embeddings; the derivatives are the released ones, and
+        ``workspace_bytes`` also bounds Alg. 2's own arrays, :func:`alg2_bytes`)."""
 
         def alg1(emb: np.ndarray, lab: np.ndarray) -> TripletResult:
             return loss_and_derivatives(
@@ -461,9 +461,12 @@ class EnclaveService:
             noise_b=config.dp_noise_b,
             rng=self._dp_rng,
         )
+        extra = alg2_bytes(*stacked.shape)
         if not kept:
-            return TripletResult(0.0, released, 0, 0, 0, 0)
-        return dataclasses.replace(kept[0], derivatives=released)
+            return TripletResult(0.0, released, 0, 0, 0, extra)
+        return dataclasses.replace(
+            kept[0], derivatives=released, workspace_bytes=kept[0].workspace_bytes + extra
+        )
 
     def _aggregate(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
         rnd, attempt = _int(header, "round"), _int(header, "attempt")
