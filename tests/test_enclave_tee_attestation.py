@@ -58,7 +58,7 @@ def test_a_genuine_quote_is_accepted_and_says_simulated(
     assert body.simulated is True
     assert body.measurement == measure_enclave(CONFIG).digest == host.measurement
     record = session.seal_embeddings(0, np.ones((2, 4), np.float32))
-    assert isinstance(record, bytes)
+    assert isinstance(record, bytearray)  # sealed in place behind its header
 
 
 def test_the_quote_body_is_canonical_json_signed_by_the_platform(

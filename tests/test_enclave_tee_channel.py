@@ -72,6 +72,31 @@ def test_arrays_round_trip_exactly(array: np.ndarray) -> None:
     assert not out.flags.writeable
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    hnp.arrays(
+        dtype=st.sampled_from([np.float32, np.float64, np.int64, ">f4"]),
+        shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=40),
+        elements={"allow_nan": False, "allow_infinity": False},
+    ),
+    st.booleans(),
+)
+def test_seal_array_is_seal_of_encode_array_byte_for_byte(array: np.ndarray, transpose: bool) -> None:
+    """The streamed record (frame header and values encrypted where they lie) equals the record of the
+    built plaintext, for any dtype, byte order, shape and memory layout."""
+    array = array.T if transpose else array
+    client_key, enclave_key = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+    nonce = os.urandom(32)
+    sender, twin = (
+        client_channel(client_key, public_bytes(enclave_key), client_id="c", nonce=nonce) for _ in "ab"
+    )
+    enclave = enclave_channel(enclave_key, public_bytes(client_key), client_id="c", nonce=nonce)
+    streamed = sender.seal_array(EMBEDDINGS, 3, 1, array)
+    built = twin.seal(EMBEDDINGS, 3, 1, encode_array(array))
+    assert isinstance(streamed, bytearray) and streamed == built
+    assert enclave.open(streamed, kind=EMBEDDINGS, rnd=3, attempt=1) == encode_array(array)
+
+
 def test_non_canonical_frames_are_refused() -> None:
     good = pack_frame({"op": "x"}, [b"abc"])
     cases = {

@@ -55,7 +55,6 @@ from fedveil.enclave.channel import (
     check_client_id,
     client_channel,
     decode_array,
-    encode_array,
     public_bytes,
 )
 from fedveil.errors import FedveilError, ValidationError
@@ -322,14 +321,14 @@ class EnclaveClientSession:
         array = np.asarray(embeddings, dtype=np.float32)
         if array.ndim != 2:
             raise ValidationError(f"embeddings must be (n, d), got shape {array.shape}")
-        return self._ready().seal(EMBEDDINGS, rnd, attempt, encode_array(array))
+        return self._ready().seal_array(EMBEDDINGS, rnd, attempt, array)
 
     def seal_gradient(self, rnd: int, gradient: np.ndarray, *, attempt: int = 0) -> bytes:
         """Encrypt this round's flat float32 local gradient ``(P,)`` to the enclave (step 8)."""
         array = np.asarray(gradient, dtype=np.float32)
         if array.ndim != 1:
             raise ValidationError(f"gradient must be flat (P,), got shape {array.shape}")
-        return self._ready().seal(GRADIENT, rnd, attempt, encode_array(array))
+        return self._ready().seal_array(GRADIENT, rnd, attempt, array)
 
     def open_derivatives(self, rnd: int, record: bytes, *, attempt: int = 0) -> np.ndarray:
         """Decrypt the float32 ``(n, d)`` derivatives the enclave sealed to this client (step 6); a
@@ -350,4 +349,4 @@ class EnclaveClientSession:
         array = np.asarray(values, dtype=np.float32)
         if array.ndim != 1:
             raise ValidationError(f"update must be flat (P,), got shape {array.shape}")
-        return self._ready().seal(UPDATE, rnd, 0, encode_array(array))
+        return self._ready().seal_array(UPDATE, rnd, 0, array)

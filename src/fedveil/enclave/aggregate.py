@@ -13,7 +13,11 @@ import numpy as np
 
 from fedveil.errors import ValidationError
 
-__all__ = ["aggregate_gradients"]
+__all__ = ["BLOCK", "aggregate_gradients"]
+
+BLOCK = 32768
+"""Coordinates summed per pass over the gradients (256 KiB of float64: the sum and the product stay in
+cache while each gradient's block is read once)."""
 
 
 def aggregate_gradients(gradients: Mapping[str, np.ndarray], num_samples: Mapping[str, int]) -> np.ndarray:
@@ -48,12 +52,26 @@ def aggregate_gradients(gradients: Mapping[str, np.ndarray], num_samples: Mappin
             want = "a flat (P,) vector" if shape is None else f"shape {shape} like the others"
             raise ValidationError(f"gradient of {cid!r} has shape {grad.shape}; it must be {want}")
         shape = grad.shape
-        if not np.isfinite(grad).all():
-            raise ValidationError(f"gradient of {cid!r} holds NaN or inf")
-    out = np.zeros(shape, np.float64)
-    term = np.empty(shape, np.float64)
-    for cid, grad in gradients.items():
-        # |d_i| / |D| * g_i in float64, written into one reused buffer (no float64 copy of g_i)
-        np.multiply(grad, np.float64(int(num_samples[cid]) / total), out=term)
-        out += term
-    return out.astype(np.float32)
+    size = next(iter(gradients.values())).shape[0]
+    weights = [(grad, np.float64(int(num_samples[cid]) / total)) for cid, grad in gradients.items()]
+    out = np.empty(size, np.float32)
+    acc = np.empty(min(size, BLOCK), np.float64)
+    term = np.empty_like(acc)
+    finite = True
+    for lo in range(0, size, BLOCK):
+        # one cache-sized block of every gradient at a time; each coordinate sees the same operations in
+        # the same order as a sum over whole vectors, so the result is bit-identical to it
+        hi = min(size, lo + BLOCK)
+        s, t = acc[: hi - lo], term[: hi - lo]
+        s.fill(0.0)
+        for grad, w in weights:
+            np.multiply(grad[lo:hi], w, out=t)
+            s += t
+        finite = finite and bool(np.isfinite(s).all())
+        out[lo:hi] = s
+    if not finite:
+        # a weighted mean of finite values is finite, so some input holds NaN or inf: name the first
+        for cid, grad in gradients.items():
+            if not np.isfinite(grad).all():
+                raise ValidationError(f"gradient of {cid!r} holds NaN or inf")
+    return out

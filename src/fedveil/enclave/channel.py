@@ -53,6 +53,7 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -82,7 +83,8 @@ NONCE_BYTES = 32
 PUBLIC_KEY_BYTES = 32
 MAX_CLIENT_ID_BYTES = 256
 RECORD_MAGIC = b"FVR1"
-RECORD_OVERHEAD = 26 + 16
+_TAG_BYTES = 16
+RECORD_OVERHEAD = 26 + _TAG_BYTES
 _RECORD_HEADER = struct.Struct(">4sBBIQQ")
 _RECORD_AD = b"fedveil/record/v1"
 _HKDF_INFO = b"fedveil/enclave-channel/v1"
@@ -142,8 +144,11 @@ def _reject_constant(name: str) -> None:
     raise CodecError(f"frame header contains {name}; NaN/inf are not allowed")
 
 
-def pack_frame(header: Mapping[str, Any], blobs: Sequence[bytes | bytearray | memoryview] = ()) -> bytes:
-    """Frame a JSON-able ``header`` and raw ``blobs`` (see the module docstring for the layout)."""
+def frame_parts(
+    header: Mapping[str, Any], blobs: Sequence[bytes | bytearray | memoryview] = ()
+) -> list[bytes | memoryview]:
+    """The pieces of :func:`pack_frame`'s frame in order, the blobs uncopied: a transport can write them
+    straight to where the frame goes (the enclave's shared region, a pipe) instead of joining them first."""
     head = canonical_json(dict(header))
     views = [_bytes_view(b) for b in blobs]
     sizes = [v.nbytes for v in views]
@@ -156,7 +161,12 @@ def pack_frame(header: Mapping[str, Any], blobs: Sequence[bytes | bytearray | me
     for v, n in zip(views, sizes, strict=True):
         parts.append(v)
         parts.append(_PADDING[_pad(n)])
-    return b"".join(parts)
+    return parts
+
+
+def pack_frame(header: Mapping[str, Any], blobs: Sequence[bytes | bytearray | memoryview] = ()) -> bytes:
+    """Frame a JSON-able ``header`` and raw ``blobs`` (see the module docstring for the layout)."""
+    return b"".join(frame_parts(header, blobs))
 
 
 def unpack_frame(
@@ -207,8 +217,9 @@ def unpack_frame(
     return header, blobs
 
 
-def encode_array(array: np.ndarray) -> bytes:
-    """Frame one float32, float64 or int64 array (little-endian, C order; module docstring)."""
+def _array_parts(array: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """:func:`encode_array`'s frame in two pieces: its header and the values as a flat byte view
+    (a copy only when ``array`` is not already C-ordered little-endian of an allowed dtype)."""
     a = np.asarray(array)
     code = _ARRAY_CODES.get(a.dtype.newbyteorder("<").str)
     if code is None:
@@ -216,7 +227,12 @@ def encode_array(array: np.ndarray) -> bytes:
     if a.ndim > MAX_ARRAY_NDIM:
         raise CodecError(f"array of {a.ndim} dimensions; at most {MAX_ARRAY_NDIM} cross the enclave boundary")
     head = _ARRAY_PREFIX.pack(ARRAY_MAGIC, code, a.ndim, 0) + _SHAPES[a.ndim].pack(*a.shape)
-    return head + np.ascontiguousarray(a, dtype=ARRAY_DTYPES[code]).tobytes()
+    return head, np.ascontiguousarray(a, dtype=ARRAY_DTYPES[code]).reshape(-1).view(np.uint8)
+
+
+def encode_array(array: np.ndarray) -> bytes:
+    """Frame one float32, float64 or int64 array (little-endian, C order; module docstring)."""
+    return b"".join(_array_parts(array))  # the values copied once (tobytes() and + would copy them twice)
 
 
 def decode_array(
@@ -297,6 +313,7 @@ class SecureChannel:
         self.sending = sending
         self.receiving = ENCLAVE_TO_CLIENT if sending == CLIENT_TO_ENCLAVE else CLIENT_TO_ENCLAVE
         self._aead = {d: AESGCM(k) for d, (k, _) in keys.items()}
+        self._keys = {d: k for d, (k, _) in keys.items()}
         self._iv = {d: int.from_bytes(iv, "big") for d, (_, iv) in keys.items()}
         self._ad_prefix = _RECORD_AD + session_id
         self._next_seq = 0
@@ -305,8 +322,18 @@ class SecureChannel:
     def _nonce(self, direction: int, seq: int) -> bytes:
         return (self._iv[direction] ^ seq).to_bytes(12, "big")
 
-    def seal(self, kind: int, rnd: int, attempt: int, plaintext: bytes | memoryview) -> bytes:
+    def seal(self, kind: int, rnd: int, attempt: int, plaintext: bytes | memoryview) -> bytearray:
         """Encrypt ``plaintext`` as the next record of ``kind`` for round ``rnd``, attempt ``attempt``."""
+        return self._seal(kind, rnd, attempt, (plaintext,))
+
+    def seal_array(self, kind: int, rnd: int, attempt: int, array: np.ndarray) -> bytearray:
+        """``seal(kind, rnd, attempt, encode_array(array))``, without building the plaintext: the array's
+        frame header and values are encrypted straight from where they are."""
+        return self._seal(kind, rnd, attempt, _array_parts(array))
+
+    def _seal(
+        self, kind: int, rnd: int, attempt: int, parts: Sequence[bytes | memoryview | np.ndarray]
+    ) -> bytearray:
         if kind not in _KINDS_BY_DIRECTION[self.sending]:
             raise ValueError(f"kind {kind!r} cannot travel {DIRECTION_NAMES[self.sending]}")
         if not (0 <= rnd <= _MAX_SEQ and 0 <= attempt < 2**32):
@@ -316,10 +343,27 @@ class SecureChannel:
         seq = self._next_seq
         self._next_seq += 1
         header = _RECORD_HEADER.pack(RECORD_MAGIC, self.sending, kind, attempt, rnd, seq)
-        sealed = self._aead[self.sending].encrypt(
-            self._nonce(self.sending, seq), plaintext, self._ad_prefix + header
-        )
-        return header + sealed
+        views = [_bytes_view(p) for p in parts]
+        size = sum(v.nbytes for v in views)
+        # the ciphertext and tag are written behind the header, not concatenated to it
+        record = bytearray(RECORD_OVERHEAD + size)
+        record[: _RECORD_HEADER.size] = header
+        out = memoryview(record)[_RECORD_HEADER.size :]
+        nonce, ad = self._nonce(self.sending, seq), self._ad_prefix + header
+        if len(views) == 1:
+            self._aead[self.sending].encrypt_into(nonce, views[0], ad, out)
+            return record
+        # several pieces: AES-GCM as a stream over them, the same bytes as one encrypt of their join
+        enc = Cipher(algorithms.AES(self._keys[self.sending]), modes.GCM(nonce)).encryptor()
+        enc.authenticate_additional_data(ad)
+        at = 0
+        for v in views:
+            # update_into wants room for a block beyond its input: the tag's 16 bytes are always behind
+            enc.update_into(v, out[at:])
+            at += v.nbytes
+        enc.finalize()
+        out[at:] = enc.tag
+        return record
 
     def open(self, record: bytes | memoryview, *, kind: int, rnd: int, attempt: int) -> bytes:
         """Authenticate and decrypt a record expected to be of ``kind`` for (``rnd``, ``attempt``).

@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from fedveil.enclave.aggregate import BLOCK as AGGREGATE_BLOCK
 from fedveil.enclave.aggregate import aggregate_gradients
 from fedveil.enclave.attestation import REPORT_KEY_BYTES, ClientHello, make_report, report_data_for
 from fedveil.enclave.channel import (
@@ -133,8 +134,10 @@ def alg2_bytes(n: int, d: int) -> int:
 
 def eq2_bytes(size: int) -> int:
     """Heap that Eq. 2 (:func:`~fedveil.enclave.aggregate.aggregate_gradients`) allocates for gradients of
-    ``size`` values: the float64 sum and term, one gradient's finiteness mask and the float32 result."""
-    return 8 * size + 8 * size + size + 4 * size
+    ``size`` values: the float32 result, and for one block of coordinates the float64 sum and term and
+    a finiteness mask (plus, when the sum is not finite, one gradient's mask to name the culprit)."""
+    block = min(size, AGGREGATE_BLOCK)
+    return 4 * size + 8 * block + 8 * block + max(block, size)
 
 
 class EnclaveMemoryError(ValidationError):
@@ -417,8 +420,9 @@ class EnclaveService:
         out: list[bytes] = []
         start = 0
         for cid, count in zip(accepted, counts, strict=True):
-            block = encode_array(derivatives[start : start + count])
-            out.append(self._sessions[cid].seal(DERIVATIVES, rnd, attempt, block))
+            out.append(
+                self._sessions[cid].seal_array(DERIVATIVES, rnd, attempt, derivatives[start : start + count])
+            )
             start += count
         extra = 0 if derivatives is result.derivatives else result.derivatives.nbytes
         meter.hold(size + extra + derivatives.nbytes + sum(map(len, out)) + 2 * max(map(len, out)))

@@ -51,6 +51,7 @@ from fedveil.enclave.channel import (
     check_client_id,
     decode_array,
     encode_array,
+    frame_parts,
     pack_frame,
     unpack_frame,
 )
@@ -95,11 +96,15 @@ _ERRORS: dict[str, type[FedveilError]] = {
 }
 
 
+Buffer = bytes | bytearray | memoryview
+
+
 class EnclaveTransport(Protocol):
     """Carries one request frame to the enclave and its reply frame back."""
 
-    def request(self, data: bytes) -> bytes:
-        """Send ``data``; return the enclave's reply."""
+    def request(self, *parts: Buffer) -> bytes:
+        """Send the frame made of ``parts`` (in order, as :func:`~fedveil.enclave.channel.frame_parts`
+        lists them); return the enclave's reply."""
         ...
 
     def close(self) -> None:
@@ -113,9 +118,9 @@ class InProcessTransport:
     def __init__(self) -> None:
         self._service = EnclaveService()
 
-    def request(self, data: bytes) -> bytes:
-        """Hand ``data`` to the service and return its reply."""
-        return self._service.handle(data)
+    def request(self, *parts: Buffer) -> bytes:
+        """Hand the frame to the service and return its reply."""
+        return self._service.handle(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def close(self) -> None:
         """Nothing to stop."""
@@ -173,19 +178,25 @@ class ProcessTransport:
         state = "is still running" if code is None else f"exited with status {code}"
         return EnclaveProcessError(f"enclave process {self._proc.pid} {what}; it {state}")
 
-    def request(self, data: bytes) -> bytes:
-        """Write one length-prefixed request and read the length-prefixed reply."""
+    def request(self, *parts: Buffer) -> bytes:
+        """Write one length-prefixed request (its parts straight into the shared region, or the pipe)
+        and read the length-prefixed reply."""
         stdin, stdout = self._proc.stdin, self._proc.stdout
         if stdin is None or stdout is None or stdin.closed:
             raise EnclaveProcessError("the enclave process transport is closed")
-        n = len(data)
+        views = [memoryview(p).cast("B") for p in parts]
+        n = sum(v.nbytes for v in views)
         try:
             if self._shared is not None and SHARED_MIN_BYTES <= n <= len(self._shared):
-                self._shared[:n] = data
+                at = 0
+                for v in views:
+                    self._shared[at : at + v.nbytes] = v
+                    at += v.nbytes
                 stdin.write(_LENGTH.pack(n | SHARED_FLAG))
             else:
                 stdin.write(_LENGTH.pack(n))
-                stdin.write(data)
+                for v in views:
+                    stdin.write(v)
             stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise self._lost(f"stopped reading requests ({exc})") from exc
@@ -311,10 +322,10 @@ class EnclaveHost:
         self.close()
 
     def _call(self, header: Mapping[str, Any], blobs: list[bytes]) -> tuple[dict[str, Any], list[memoryview]]:
-        data = pack_frame(header, blobs)
+        parts = frame_parts(header, blobs)
         if self._tap is not None:
-            self._tap("to_enclave", data)
-        reply = self._transport.request(data)
+            self._tap("to_enclave", b"".join(parts))
+        reply = self._transport.request(*parts)
         if self._tap is not None:
             self._tap("from_enclave", reply)
         head, out = unpack_frame(reply)
