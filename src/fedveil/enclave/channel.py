@@ -84,6 +84,9 @@ PUBLIC_KEY_BYTES = 32
 MAX_CLIENT_ID_BYTES = 256
 RECORD_MAGIC = b"FVR1"
 _TAG_BYTES = 16
+_STREAM_MIN_BYTES = 64 * 1024
+"""Plaintexts in pieces at least this long are encrypted piece by piece (no joined copy); smaller ones are
+joined first, which costs less than setting up a streaming AES-GCM context (about 5 us)."""
 RECORD_OVERHEAD = 26 + _TAG_BYTES
 _RECORD_HEADER = struct.Struct(">4sBBIQQ")
 _RECORD_AD = b"fedveil/record/v1"
@@ -345,6 +348,8 @@ class SecureChannel:
         header = _RECORD_HEADER.pack(RECORD_MAGIC, self.sending, kind, attempt, rnd, seq)
         views = [_bytes_view(p) for p in parts]
         size = sum(v.nbytes for v in views)
+        if len(views) > 1 and size < _STREAM_MIN_BYTES:
+            views = [memoryview(b"".join(views))]  # a small copy is cheaper than a streaming context
         # the ciphertext and tag are written behind the header, not concatenated to it
         record = bytearray(RECORD_OVERHEAD + size)
         record[: _RECORD_HEADER.size] = header

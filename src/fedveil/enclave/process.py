@@ -102,8 +102,8 @@ def serve(
                 room = "no shared region" if shared is None else f"a shared region of {len(shared)} bytes"
                 _write(writer, _refusal("CodecError", f"a {n}-byte request said to be in {room}"))
                 continue
-            request = bytearray(n)
-            memoryview(request)[:] = memoryview(shared)[:n]  # copied in: the host cannot change it now
+            # copied in (one pass, no zero-fill first): the host cannot change it now
+            request: bytes | bytearray = bytes(memoryview(shared)[:n])
         else:
             got = _read_exact(reader, n) if n else bytearray()
             if got is None:
