@@ -30,6 +30,8 @@ def test_bench_rounds_json(capsys) -> None:
                 "2",
                 "--threads",
                 "1",
+                "--warmup",
+                "3",
                 "--profile",
                 *SMALL,
                 "--json",
@@ -38,7 +40,7 @@ def test_bench_rounds_json(capsys) -> None:
         == 0
     )
     row = json.loads(capsys.readouterr().out)
-    assert row["participants"] == 4 and row["samples"] == 4
+    assert row["participants"] == 4 and row["samples"] == 4 and row["warmup_rounds"] == 3
     assert len(row["rounds_per_second_runs"]) == 2 and row["rounds_per_second"] > 0
     assert row["bytes_up_per_round"] > 0 and row["enclave_boundary"] == "process"
     # the floor, measured in the same run
@@ -115,3 +117,8 @@ def test_flops_of_a_vmapped_network_are_counted_on_the_one_by_one_path(capsys) -
         model(x).sum().backward()
     expected = 4 * (forward.get_total_flops() + both.get_total_flops())
     assert row["device_flops_per_round"] == expected
+
+
+def test_bench_rounds_refuses_a_negative_warmup(capsys) -> None:
+    assert main(["bench", "rounds", "--warmup", "-1", *SMALL]) == 2
+    assert "--warmup -1 must be >= 0" in capsys.readouterr().err

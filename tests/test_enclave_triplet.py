@@ -170,6 +170,35 @@ def test_float32_input_stays_float32_and_close_to_the_float64_reference() -> Non
     assert res.loss == pytest.approx(loss, rel=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_far_embedding_does_not_send_its_tile_to_the_exact_path(
+    dtype: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trained TouchAuth batch has a few embeddings far out: each pair is refined against its own squared
+    norms (which bound the Gram form's cancellation), not the tile's largest, and stays accurate."""
+    rng = np.random.default_rng(12)
+    y = np.repeat(np.arange(32), 8)
+    x = rng.normal(0, 1, (32, 16))[y] + rng.normal(0, 0.3, (256, 16))
+    x[5] *= 40.0  # one embedding 40x further out than the rest
+    x = x.astype(dtype)
+    refined: list[int] = []
+    original = triplet._Computation._squared_distances
+
+    def counted(self: triplet._Computation, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        refined.append(i.size)
+        return original(self, i, j)
+
+    monkeypatch.setattr(triplet._Computation, "_squared_distances", counted)
+    res = loss_and_derivatives(x, y, margin=1.0)
+    loss, grad = reference_loss_and_derivatives(x, y, margin=1.0)
+    tol = 1e-9 if dtype is np.float64 else 1e-4
+    assert rel_err(res.derivatives.astype(np.float64), grad) <= tol
+    assert res.loss == pytest.approx(loss, rel=tol)
+    # the positives (7 per anchor, always exact) plus few close pairs; not a large share of all 256^2
+    positives = 256 * 7
+    assert sum(refined) - positives < 0.02 * 256 * 256, sum(refined)
+
+
 def test_memory_stays_within_the_plan_and_the_limit() -> None:
     rng = np.random.default_rng(11)
     y = np.repeat(np.arange(100), 8)

@@ -190,6 +190,12 @@ def _add_rounds(sub: Any) -> None:
     )
     p.add_argument("--rounds", type=int, default=20, help="rounds per timed block (default 20)")
     p.add_argument("--repeats", type=int, default=3, help="timed blocks; the median is reported (default 3)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=60,
+        help="untimed training rounds first, so that Alg. 1 runs at its long-run cost (default 60)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--one-by-one", action="store_true", help="compute devices one by one instead of batched")
     p.add_argument("--profile", action="store_true", help="one more block under cProfile: seconds per phase")
@@ -207,6 +213,8 @@ def _run_rounds(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--rounds {args.rounds}, --repeats {args.repeats}, --threads {args.threads} must be >= 1"
         )
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup {args.warmup} must be >= 0 (untimed rounds before the timed blocks)")
     row = bench_rounds(
         rounds=args.rounds,
         repeats=args.repeats,
@@ -214,6 +222,7 @@ def _run_rounds(args: argparse.Namespace) -> int:
         threads=args.threads,
         overrides=tuple(args.overrides),
         profile=args.profile,
+        warmup=args.warmup,
     )
     if args.json:
         print(json.dumps(row, indent=2))

@@ -54,7 +54,7 @@ REFINE_RATIO = 1.0 / 16.0
 FINISH_ROWS = 64
 """Anchors whose positive terms are scattered at once (at least four label groups' worth)."""
 
-REFINE_CHUNK = 4096
+REFINE_CHUNK = 1024
 """Pairs whose distance is recomputed at once (bounds the scratch memory)."""
 
 
@@ -198,8 +198,8 @@ class _Plan:
         kmax = np.maximum.reduceat(self.k, np.arange(0, self.n, size))
         widest = int(kmax.max())
         dense = widest <= DENSE_MAX_POSITIVES
-        # per tile: distances, comparison planes, masks, weights, scale
-        tile = size * size * (2 * self.item + 8 + (2 * widest if dense else 24))
+        # per tile: distances, refinement thresholds, comparison planes, masks, weights, scale
+        tile = size * size * (3 * self.item + 8 + (2 * widest if dense else 24))
         scatter = 2 * size * (2 * self.d + 1) * self.item
         pairs = min(max(REFINE_CHUNK, size + 2 * widest), size * (size + 2 * widest))
         refine = pairs * 48 + min(pairs, REFINE_CHUNK) * self.d * (3 * self.item + 24)
@@ -359,8 +359,12 @@ class _Computation:
         if mask_same_group and gr[-1] >= gc[0] and gc[-1] >= gr[0]:
             same = gr[:, None] == gc[None, :]
             np.putmask(dist, same, np.inf)
-        limit = (self.sq[rows] + self.sq[cols].max()) * REFINE_RATIO
-        close = dist <= limit[:, None]
+        # each pair against its own squared norms, which bound the Gram form's cancellation (a bound
+        # from the block's largest norm would send every pair beside one far embedding to the slow path)
+        limit = np.add.outer(self.sq[rows], self.sq[cols])
+        limit *= REFINE_RATIO
+        close = dist <= limit
+        del limit
         if self.any_duplicated:
             close[self.duplicated[rows]] = True
             close[:, self.duplicated[cols]] = True
@@ -375,13 +379,18 @@ class _Computation:
 
     @staticmethod
     def _pairs(mask: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """The ``(row, column)`` indices of ``mask``'s true entries, about ``REFINE_CHUNK`` at a time."""
-        rows = np.flatnonzero(mask.any(axis=1))
-        step = max(1, REFINE_CHUNK // mask.shape[1])
-        for s in range(0, rows.size, step):
-            local = rows[s : s + step]
+        """The ``(row, column)`` indices of ``mask``'s true entries in runs of whole rows holding at most
+        ``REFINE_CHUNK`` of them (or one row, if it alone holds more)."""
+        counts = np.count_nonzero(mask, axis=1)
+        rows = np.flatnonzero(counts)
+        total = np.cumsum(counts[rows])
+        s, done = 0, 0
+        while s < rows.size:
+            e = max(s + 1, int(np.searchsorted(total, done + REFINE_CHUNK, side="right")))
+            local = rows[s:e]
             i, j = np.nonzero(mask[local])
             yield local[i], j
+            s, done = e, int(total[e - 1])
 
     def _squared_distances(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """``|x_i - x_j|^2`` from the (uncentred) difference vectors, ``REFINE_CHUNK`` pairs at a time."""
