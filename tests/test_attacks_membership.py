@@ -343,6 +343,40 @@ def test_lira_shadow_halves_and_reproducibility(setting: Setting) -> None:
     assert first.details["queries"] == 2 and first.details["global_variance"] is False
 
 
+def test_lira_resumes_from_its_shadow_cache(setting: Setting, tmp_path) -> None:
+    """A run cut off after some shadows resumes from the cached phis: the same scores, no retraining;
+    a cache from another population is refused."""
+    x, y, truth = setting.x[40:80], setting.y[40:80], setting.is_member[40:80]
+    trained: list[int] = []
+    cut_at = [0]  # the shadow (1-based) whose training is cut off; 0: none
+
+    def train(xs: torch.Tensor, ys: torch.Tensor, seed: int) -> nn.Module:
+        trained.append(seed)
+        if len(trained) == cut_at[0]:
+            raise RuntimeError("cut off")
+        return train_mlp(xs, ys, seed, steps=30)
+
+    def attack(xs: torch.Tensor, cache) -> dict:
+        view = ModelView("s", setting.overfit)
+        rng = np.random.default_rng(8)
+        return lira_variants(view, xs, y, truth, train, rng=rng, num_shadow=4, cache=cache)
+
+    whole = attack(x, None)
+    trained.clear()
+    cut_at[0] = 3
+    with pytest.raises(RuntimeError, match="cut off"):
+        attack(x, tmp_path / "cache")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["shadow0.npz", "shadow1.npz"]
+    cut_at[0] = 0
+    trained.clear()
+    resumed = attack(x, tmp_path / "cache")
+    assert len(trained) == 2  # only shadows 2 and 3 were trained
+    for variant in ("online", "offline"):
+        np.testing.assert_array_equal(resumed[variant].scores, whole[variant].scores)
+    with pytest.raises(ConfigError, match="another LiRA run"):
+        attack(x + 1.0, tmp_path / "cache")
+
+
 def test_lira_rejects_bad_input(setting: Setting) -> None:
     rng = np.random.default_rng(0)
     args = (setting.x, setting.y, setting.is_member, train_mlp)

@@ -27,7 +27,10 @@ augmented queries (mirrors, shifts) are passed as ``augmentations``.
 
 from __future__ import annotations
 
+import hashlib
+import io
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,6 +46,7 @@ from fedveil.attacks.scores import (
     score_attack,
 )
 from fedveil.attacks.views import ObserverView, require_model_view
+from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError, ValidationError
 
 __all__ = ["TrainFn", "lira_attack", "lira_scores", "lira_variants", "logit_confidence"]
@@ -97,6 +101,36 @@ def _gaussian_fit(
 
 def _log_normal_pdf(value: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     return -0.5 * ((value - mean) / std) ** 2 - np.log(std) - 0.5 * np.log(2.0 * np.pi)
+
+
+def _fingerprint(x: torch.Tensor, y: torch.Tensor, queries: int) -> str:
+    """SHA-256 of the population and the number of queries: what a cached shadow's phis depend on."""
+    digest = hashlib.sha256(np.ascontiguousarray(x.numpy()).tobytes())
+    digest.update(np.ascontiguousarray(y.numpy()).tobytes())
+    digest.update(str(queries).encode())
+    return digest.hexdigest()
+
+
+def _cached_phi(
+    cache: Path | None, s: int, inside: np.ndarray, seed: int, fingerprint: str
+) -> np.ndarray | None:
+    """Shadow ``s``'s phis from ``cache``, if an earlier run saved them for the same half, seed and
+    population; ``None`` when there is no file (or no cache)."""
+    path = None if cache is None else cache / f"shadow{s}.npz"
+    if path is None or not path.is_file():
+        return None
+    with np.load(path, allow_pickle=False) as saved:
+        same = (
+            str(saved["fingerprint"]) == fingerprint
+            and int(saved["seed"]) == seed
+            and np.array_equal(saved["inside"], inside)
+        )
+        if not same:
+            raise ConfigError(
+                f"{path} holds shadow {s} of another LiRA run (population, rng or queries differ); "
+                f"use another cache folder or delete {path.parent}"
+            )
+        return np.array(saved["phi"])
 
 
 def lira_scores(
@@ -196,9 +230,15 @@ def lira_variants(
     global_variance: bool | None = None,
     augmentations: Sequence[Augmentation] | None = None,
     batch_size: int = 1024,
+    cache: Path | None = None,
 ) -> dict[str, AttackScores]:
     """:func:`lira_attack` for several ``variants`` (``"online"``, ``"offline"``) from one set of shadow
-    models (the offline test uses the OUT models the online one trains anyway): ``{variant: report}``."""
+    models (the offline test uses the OUT models the online one trains anyway): ``{variant: report}``.
+
+    With a ``cache`` folder, each shadow model's phis are written to ``cache/shadow<s>.npz`` (with its IN
+    mask, its seed and a fingerprint of the population) as soon as it is trained, and a rerun drawing the
+    same halves from the same ``rng`` reads them instead of training again: a long attack resumes where it
+    was cut off. A file that does not match (another population, rng or number of queries) is refused."""
     view = require_model_view(target, "LiRA")
     xt, yt = as_examples(x, y)
     truth = as_binary_labels(is_member, xt.shape[0], name="is_member")
@@ -234,16 +274,26 @@ def lira_variants(
     n, shadows = xt.shape[0], int(num_shadow)
     shadow_in = rng.uniform(size=(shadows, n)).argsort(axis=0) < shadows // 2
     seeds = rng.integers(2**31 - 1, size=shadows)
+    fingerprint = _fingerprint(xt, yt, len(queries))
     shadow_phi = []
     for s in range(shadows):
         if not shadow_in[s].any():
             raise ValidationError(
                 f"LiRA: shadow model {s} drew no training example; give a larger population"
             )
+        saved = _cached_phi(cache, s, shadow_in[s], int(seeds[s]), fingerprint)
+        if saved is not None:
+            shadow_phi.append(saved)
+            continue
         model = train_fn(xt[shadow_in[s]], yt[shadow_in[s]], int(seeds[s]))
         if not isinstance(model, nn.Module):
             raise ValidationError(f"LiRA: train_fn must return a torch.nn.Module, got {type(model).__name__}")
         shadow_phi.append(phis(model))
+        if cache is not None:
+            cache.mkdir(parents=True, exist_ok=True)
+            buf = io.BytesIO()
+            np.savez(buf, phi=shadow_phi[-1], inside=shadow_in[s], seed=seeds[s], fingerprint=fingerprint)
+            atomic_write(cache / f"shadow{s}.npz", buf.getvalue())
     target_phi, stacked = phis(view.model), np.stack(shadow_phi)
     reports = {}
     for variant in variants:

@@ -6,6 +6,9 @@
   (:func:`fedveil.experiments.ppfl_runner.run_ppfl`) and prints the per-layer summary.
 - ``fedveil ppfl attacks [--model M] [--data D] [--dra-targets N] [--seed S] [--out DIR] [--json]``: Table 2,
   each attack on what each observer sees (:func:`fedveil.experiments.ppfl_attacks.ppfl_attack_table`).
+- ``fedveil ppfl lira [--model M] [--data D] [--clients C] [--shadows S] [--systems LIST] [--seed S]
+  [--out DIR] [--json]``: Table 2's membership row by LiRA, with shadows trained the way E2E FedAvg and
+  PPFL train (:func:`fedveil.experiments.ppfl_lira.ppfl_lira_table`).
 - ``fedveil ppfl transfer CONFIG [--fractions F ...] [--last K ...] [--out DIR] [--json]``: Appendix A.1 /
   Fig. 8, transfer from public data (:func:`fedveil.experiments.ppfl_transfer.run_transfer_sweep`).
 - ``fedveil ppfl cost [--model M] [--data D] [--steps N] [--repeats R] [--plot PNG] [--json]``: Fig. 3,
@@ -21,6 +24,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from fedveil.errors import ConfigError
 
 
 def register(subparsers: Any) -> None:
@@ -51,6 +56,34 @@ def register(subparsers: Any) -> None:
         help="folder for ppfl_attacks.json and each finished part (parts/); a rerun resumes from them",
     )
     a.add_argument("--json", action="store_true", help="print the JSON report")
+    li = actions.add_parser(
+        "lira",
+        help="Table 2's MIA by LiRA: TPR at FPR 1e-3, shadows trained the way E2E and PPFL train",
+    )
+    li.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+    li.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
+    li.add_argument(
+        "--clients",
+        type=int,
+        default=25,
+        help="clients x 40 images: members, as many non-members (default 25)",
+    )
+    li.add_argument(
+        "--shadows", type=int, default=16, help="shadow models per system (default 16, at least 4)"
+    )
+    li.add_argument(
+        "--systems",
+        default="e2e,ppfl-released,ppfl-kept",
+        help="comma-separated, among e2e, ppfl-released, ppfl-kept (default all three)",
+    )
+    li.add_argument("--seed", type=int, default=0, help="seed of everything random (default 0)")
+    li.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for ppfl_lira.json, each shadow's phis and each finished system; a rerun resumes",
+    )
+    li.add_argument("--json", action="store_true", help="print the JSON report")
     t = actions.add_parser(
         "transfer", help="Appendix A.1: public-data fraction vs client-trained last layers"
     )
@@ -155,6 +188,32 @@ def _attacks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lira(args: argparse.Namespace) -> int:
+    from fedveil.experiments.attack_runs import membership_run
+    from fedveil.experiments.ppfl_lira import ppfl_lira_table
+
+    if args.clients < 1:
+        raise ConfigError(f"--clients {args.clients} must be >= 1")
+    summary = ppfl_lira_table(
+        images=membership_run(data=args.data, model=args.model, clients=args.clients, seed=args.seed),
+        systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
+        shadows=args.shadows,
+        out=args.out,
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return 0
+    for key, value in summary["attacks"].items():
+        if isinstance(value, dict):
+            tpr = value.get("tpr_at_fpr", {})
+            print(
+                f"{key:<26} AUC {value['auc']:.3f}  TPR@1e-3 {tpr.get('0.001')}  TPR@1e-2 {tpr.get('0.01')}"
+            )
+        else:
+            print(f"{key:<26} {value:.3f}")
+    return 0
+
+
 def _cost(args: argparse.Namespace) -> int:
     from fedveil.experiments.ppfl_cost import measure_client_costs, plot_client_costs
 
@@ -206,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
         return _memory(args)
     if args.action == "attacks":
         return _attacks(args)
+    if args.action == "lira":
+        return _lira(args)
     if args.action == "transfer":
         return _transfer(args)
     if args.action == "cost":
