@@ -1,0 +1,91 @@
+"""LiRA against E2E FedAvg and PPFL's releases (fedveil.experiments.ppfl_lira) on a tiny synthetic run: each
+system's shadows are trained the way its target was, on halves of the candidates; a rerun resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedveil.cli import main
+from fedveil.errors import ConfigError
+from fedveil.experiments import ppfl_lira
+from fedveil.experiments.attack_runs import membership_run
+from fedveil.experiments.fedavg_images import FedAvgRun
+from fedveil.experiments.ppfl_lira import SYSTEMS, ppfl_lira_table
+
+
+def _images() -> FedAvgRun:
+    return membership_run(
+        data="synthetic-fashion-mnist:1500", clients=3, samples_per_client=16, rounds=2, local_epochs=1
+    )
+
+
+def test_each_system_is_attacked_with_shadows_trained_its_own_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trained: list[tuple[str, int, int]] = []
+    real_fedavg, real_ppfl = ppfl_lira.train_fedavg, ppfl_lira.train_ppfl
+
+    def fedavg(run: FedAvgRun, *, split, progress: bool) -> object:
+        trained.append(("e2e", len(split.members), len(split.data.user_ids)))
+        return real_fedavg(run, split=split, progress=progress)
+
+    def ppfl(run, split) -> object:
+        trained.append(("ppfl", len(split.members), len(split.data.user_ids)))
+        return real_ppfl(run, split)
+
+    monkeypatch.setattr(ppfl_lira, "train_fedavg", fedavg)
+    monkeypatch.setattr(ppfl_lira, "train_ppfl", ppfl)
+    summary = ppfl_lira_table(images=_images(), shadows=4, aux_examples=40, head_epochs=1, out=tmp_path)
+    attacks = summary["attacks"]
+    for system in SYSTEMS:
+        for variant in ("online", "offline"):
+            row = attacks[f"lira-{variant}/{system}"]
+            assert 0.0 <= row["auc"] <= 1.0 and row["num_positives"] == row["num_negatives"] == 48
+            assert set(row["tpr_at_fpr"]) >= {"0.001", "0.01"}
+        assert 0.0 <= attacks[f"accuracy/{system}"] <= 1.0
+    # per system: the target on its 48 members, then 4 shadows among the target's 3 clients, each of the
+    # 96 candidates in exactly 2 of them (LiRA's halves)
+    e2e = [t for t in trained if t[0] == "e2e"]
+    assert len(e2e) == 5 and e2e[0] == ("e2e", 48, 3)
+    assert sum(size for _, size, _ in e2e[1:]) == 96 * 2 and {c for *_, c in e2e} == {3}
+    assert len([t for t in trained if t[0] == "ppfl"]) == 10
+    assert summary["run"]["members"] == summary["run"]["non_members"] == 48
+    assert json.loads((tmp_path / "ppfl_lira.json").read_text())["attacks"] == attacks
+    assert sorted(p.name for p in (tmp_path / "shadows" / "e2e").iterdir()) == [
+        f"shadow{s}.npz" for s in range(4)
+    ]
+    # a rerun with the same settings reads every finished system instead of training again
+    trained.clear()
+    again = ppfl_lira_table(images=_images(), shadows=4, aux_examples=40, head_epochs=1, out=tmp_path)
+    assert trained == [] and again["attacks"] == attacks
+    # a system cut off after its shadows were cached trains only its target again
+    (tmp_path / "parts" / "lira-e2e.json").unlink()
+    ppfl_lira_table(
+        images=_images(), systems=("e2e",), shadows=4, aux_examples=40, head_epochs=1, out=tmp_path
+    )
+    assert trained == [("e2e", 48, 3)]
+    with pytest.raises(ConfigError, match="other settings"):
+        ppfl_lira_table(images=_images(), shadows=5, aux_examples=40, head_epochs=1, out=tmp_path)
+
+
+def test_shadow_split_gives_the_target_s_clients_and_test_set() -> None:
+    split = ppfl_lira.split_images(_images())
+    x, y = split.members.x[:10], split.members.y[:10]
+    shadow = ppfl_lira._shadow_split(split, _images(), x, y, seed=3)
+    assert len(shadow.members) == 10 and len(shadow.non_members) == 0
+    assert len(shadow.data.user_ids) == 3 and shadow.test is split.test
+    pooled = np.concatenate([shadow.data.array(c, "y") for c in shadow.data.user_ids])
+    assert sorted(pooled.tolist()) == sorted(y.tolist())
+
+
+def test_bad_settings_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="among e2e, ppfl-released, ppfl-kept"):
+        ppfl_lira_table(images=_images(), systems=("fedsgd",))
+    with pytest.raises(ConfigError, match="at least 4"):
+        ppfl_lira_table(images=_images(), shadows=3)
+    assert main(["ppfl", "lira", "--clients", "0"]) == 2
+    assert "--clients 0 must be >= 1" in capsys.readouterr().err
