@@ -316,14 +316,14 @@ class EnclaveClientSession:
             )
         return self._channel
 
-    def seal_embeddings(self, rnd: int, embeddings: np.ndarray, *, attempt: int = 0) -> bytes:
+    def seal_embeddings(self, rnd: int, embeddings: np.ndarray, *, attempt: int = 0) -> bytearray:
         """Encrypt this round's float32 ``(n, d)`` embeddings to the enclave (FDML Fig. 2 step 4)."""
         array = np.asarray(embeddings, dtype=np.float32)
         if array.ndim != 2:
             raise ValidationError(f"embeddings must be (n, d), got shape {array.shape}")
         return self._ready().seal_array(EMBEDDINGS, rnd, attempt, array)
 
-    def seal_gradient(self, rnd: int, gradient: np.ndarray, *, attempt: int = 0) -> bytes:
+    def seal_gradient(self, rnd: int, gradient: np.ndarray, *, attempt: int = 0) -> bytearray:
         """Encrypt this round's flat float32 local gradient ``(P,)`` to the enclave (step 8)."""
         array = np.asarray(gradient, dtype=np.float32)
         if array.ndim != 1:
@@ -343,7 +343,7 @@ class EnclaveClientSession:
         layerwise`); a read-only array."""
         return decode_array(self._ready().open(record, kind=MODEL, rnd=rnd, attempt=0), dtype="<f4", ndim=1)
 
-    def seal_update(self, rnd: int, values: np.ndarray) -> bytes:
+    def seal_update(self, rnd: int, values: np.ndarray) -> bytearray:
         """Encrypt this client TEE's flat float32 trained parameters (PPFL Alg. 2's output) to the
         enclave."""
         array = np.asarray(values, dtype=np.float32)
