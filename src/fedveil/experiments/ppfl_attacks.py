@@ -53,7 +53,7 @@ from fedveil.protocols.fedavg import ParameterPlan
 from fedveil.protocols.ppfl import PpflConfig, conv_units, plan_stages
 from fedveil.protocols.ppfl_messages import LayerEvalRequest, LayerFitReply, LayerFitRequest
 
-__all__ = ["ppfl_attack_table"]
+__all__ = ["auxiliary_examples", "ppfl_attack_table", "ppfl_like"]
 
 
 def _ppfl_run(images: FedAvgRun, cfg: PpflConfig, tee_mib: float) -> PpflRun:
@@ -70,6 +70,33 @@ def _ppfl_run(images: FedAvgRun, cfg: PpflConfig, tee_mib: float) -> PpflRun:
         e2e=False,
         ppfl=cfg,
     )
+
+
+def ppfl_like(images: FedAvgRun) -> PpflConfig:
+    """PPFL with E2E FedAvg's local recipe (epochs, batch, SGD), each stage for E2E's rounds divided by the
+    number of stages (LeNet's two layers and its classifier: 13 rounds each of E2E's 40), the last layer
+    kept in the TEEs."""
+    stages = plan_stages(build_model(images.model, num_classes=10, in_channels=3, image_size=32))
+    rounds = max(1, images.rounds // len(stages))
+    return PpflConfig(
+        rounds_per_stage=rounds,
+        local_epochs=images.fedavg.local_epochs,
+        batch_size=images.fedavg.batch_size,
+        lr=images.fedavg.optimizer.lr,
+        momentum=images.fedavg.optimizer.momentum,
+        epoch_decay=1.0,
+        keep_classifier_in_tee=True,
+        eval_every=rounds,
+        seed=images.seed,
+    )
+
+
+def auxiliary_examples(split: Any, seed: int, count: int) -> Any:
+    """The observer's auxiliary examples: ``count`` training examples that are neither members nor
+    candidates (drawn with ``seed``)."""
+    used = np.r_[split.member_index, split.non_member_index]
+    spare = np.setdiff1d(np.arange(len(split.train)), used)
+    return split.train.subset(np.sort(np.random.default_rng(seed + 3).permutation(spare)[:count]))
 
 
 def _attacker_head(
@@ -155,19 +182,7 @@ def ppfl_attack_table(
     ``pia_clients`` clients for ``pia_rounds`` rounds. ``e2e=False`` leaves out the E2E rows (each is
     :mod:`fedveil.experiments.attack_runs`' own experiment)."""
     images = images or membership_run()
-    stages = plan_stages(build_model(images.model, num_classes=10, in_channels=3, image_size=32))
-    rounds = max(1, images.rounds // len(stages))
-    cfg = ppfl or PpflConfig(
-        rounds_per_stage=rounds,
-        local_epochs=images.fedavg.local_epochs,
-        batch_size=images.fedavg.batch_size,
-        lr=images.fedavg.optimizer.lr,
-        momentum=images.fedavg.optimizer.momentum,
-        epoch_decay=1.0,
-        keep_classifier_in_tee=True,
-        eval_every=rounds,
-        seed=images.seed,
-    )
+    cfg = ppfl or ppfl_like(images)
     table: dict[str, Any] = {}
     settings = {
         "images": repr(images),
@@ -282,10 +297,7 @@ def _ppfl_membership(
     device = next(c for c in trained.pool.client_ids() if c not in trained.pool.evaluators)
     frozen = nn.Sequential(*trained.pool.frozen[device])
     if keep:
-        used = np.r_[split.member_index, split.non_member_index]
-        spare = np.setdiff1d(np.arange(len(split.train)), used)
-        pick = np.random.default_rng(images.seed + 3).permutation(spare)[:aux_examples]
-        aux = split.train.subset(np.sort(pick))
+        aux = auxiliary_examples(split, images.seed, aux_examples)
         head = copy.deepcopy(nn.Sequential(*trained.model.layer_units()[conv_units(trained.model) :]))
         model = _attacker_head(
             frozen,

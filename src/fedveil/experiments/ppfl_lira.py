@@ -49,10 +49,9 @@ from fedveil.data.partition import partition, to_federated
 from fedveil.errors import ConfigError
 from fedveil.experiments.attack_runs import membership_run
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
-from fedveil.experiments.ppfl_attacks import _attacker_head, _part, _ppfl_run
+from fedveil.experiments.ppfl_attacks import _attacker_head, _part, _ppfl_run, auxiliary_examples, ppfl_like
 from fedveil.experiments.ppfl_runner import train_ppfl
-from fedveil.models.zoo import build_model
-from fedveil.protocols.ppfl import PpflConfig, conv_units, plan_stages
+from fedveil.protocols.ppfl import PpflConfig, conv_units
 
 __all__ = ["SYSTEMS", "ppfl_lira_table"]
 
@@ -107,25 +106,8 @@ def ppfl_lira_table(
     x = np.concatenate([split.members.x, split.non_members.x[:n]])
     y = np.concatenate([split.members.y, split.non_members.y[:n]])
     is_member = np.r_[np.ones(n, bool), np.zeros(n, bool)]
-    stages = plan_stages(build_model(images.model, num_classes=10, in_channels=3, image_size=32))
-    rounds = max(1, images.rounds // len(stages))
-    cfg = ppfl or PpflConfig(
-        rounds_per_stage=rounds,
-        local_epochs=images.fedavg.local_epochs,
-        batch_size=images.fedavg.batch_size,
-        lr=images.fedavg.optimizer.lr,
-        momentum=images.fedavg.optimizer.momentum,
-        epoch_decay=1.0,
-        keep_classifier_in_tee=True,
-        eval_every=rounds,
-        seed=images.seed,
-    )
-    # the observer's auxiliary examples: training examples that are neither members nor candidates
-    used = np.r_[split.member_index, split.non_member_index]
-    spare = np.setdiff1d(np.arange(len(split.train)), used)
-    aux = split.train.subset(
-        np.sort(np.random.default_rng(images.seed + 3).permutation(spare)[:aux_examples])
-    )
+    cfg = ppfl or ppfl_like(images)
+    aux = auxiliary_examples(split, images.seed, aux_examples)
     aux_x, aux_y = torch.from_numpy(np.array(aux.x)), torch.from_numpy(np.array(aux.y))
     settings = {
         "images": repr(images),
