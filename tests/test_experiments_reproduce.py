@@ -103,6 +103,28 @@ def test_seeds_give_mean_and_std_and_a_cut_run_resumes(tmp_path: Path) -> None:
     assert resumed["resumed_after_round"] == 2 and resumed["accuracy_percent"] == done["accuracy_percent"]
 
 
+def test_rounds_scale_keeps_each_cell_s_ratio(tmp_path: Path) -> None:
+    """``--rounds-scale K``: every cell runs K times its own config's rounds (Table I's FDML and
+    FL-traditional keep their 1:3 ratio), and says so in the summary."""
+    small = tmp_path / "configs"
+    small.mkdir()
+    for cell in TABLES["table1"][1]:  # the table's configs at 1/100 of their rounds
+        text = (CONFIGS / cell.config).read_text()
+        rounds = next(int(line.split(":")[1]) for line in text.splitlines() if line.startswith("rounds:"))
+        (small / cell.config).write_text(text.replace(f"rounds: {rounds}\n", f"rounds: {rounds // 100}\n"))
+    tiny = [item for item in TINY if not item.startswith("rounds=")]
+    summary = reproduce(
+        "table1", configs=small, out=tmp_path, overrides=tiny, rounds_scale=2, threads=1, echo=lambda _: None
+    )
+    assert [c["results"]["rounds"] for c in summary["cells"]] == [4, 12, 12]
+    assert summary["rounds_scale"] == 2
+    assert "Each cell at 2x its config's rounds." in (tmp_path / "table1" / "summary.md").read_text()
+    with pytest.raises(ConfigError, match="both choose the rounds"):
+        reproduce("table1", configs=CONFIGS, out=tmp_path, overrides=["rounds=5"], rounds_scale=2)
+    with pytest.raises(ConfigError, match="must be an integer >= 1"):
+        reproduce("table1", configs=CONFIGS, out=tmp_path, rounds_scale=0)
+
+
 def test_mean_std_and_seed_conflict(tmp_path: Path) -> None:
     assert mean_std([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, 1.2909944487358056))
     assert mean_std([7.0]) == (7.0, 0.0)

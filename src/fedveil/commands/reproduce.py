@@ -36,6 +36,14 @@ def register(subparsers: Any) -> None:
         "and reports mean +- std (default 1: the config's seed, into OUT/TABLE/<config>/)",
     )
     p.add_argument(
+        "--rounds-scale",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run each cell for K times its config's rounds (FL-traditional keeps its 3:1 ratio to FDML; "
+        "default 1)",
+    )
+    p.add_argument(
         "--cells",
         type=_positions,
         default=None,
@@ -63,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         seeds=args.seeds,
         only=args.cells,
+        rounds_scale=args.rounds_scale,
     )
     print((args.out / args.table / "summary.md").read_text())
     failed = [c for c in summary["cells"] if c["results"] is None and not (c.get("stats") or {}).get("n")]
