@@ -137,7 +137,7 @@ def eq2_bytes(size: int) -> int:
     ``size`` values: the float32 result, and for one block of coordinates the float64 sum and term and
     a finiteness mask (plus, when the sum is not finite, one gradient's mask to name the culprit)."""
     block = min(size, AGGREGATE_BLOCK)
-    return 4 * size + 8 * block + 8 * block + max(block, size)
+    return 4 * size + 16 * block + size  # the masks: a block's, or at most one whole gradient's
 
 
 class EnclaveMemoryError(ValidationError):
