@@ -84,8 +84,8 @@ def ppfl_lira_table(
     out: Path | None = None,
 ) -> dict[str, Any]:
     """LiRA against each of ``systems`` (module docstring). Returns (and writes to ``out/ppfl_lira.json``)
-    the run's settings and, per system, online and offline LiRA's scores (AUC, TPR at FPR 1e-3 / 1e-2 /
-    1e-1, precision) and the target's test accuracy.
+    the run's settings and, per system, online and offline LiRA's scores (AUC, TPR at FPR 1e-3 and 1e-2,
+    precision) and the target's test accuracy.
 
     ``images`` is the member split and E2E recipe. The default is :func:`membership_run` with 25 clients,
     giving 1,000 members and 1,000 non-members. PPFL trains the same clients with the same local settings,
