@@ -52,7 +52,8 @@ def test_each_system_is_attacked_with_shadows_trained_its_own_way(
     e2e = [t for t in trained if t[0] == "e2e"]
     assert len(e2e) == 5 and e2e[0] == ("e2e", 48, 3)
     assert sum(size for _, size, _ in e2e[1:]) == 96 * 2 and {c for *_, c in e2e} == {3}
-    assert len([t for t in trained if t[0] == "ppfl"]) == 10
+    # one PPFL training per split serves both PPFL rows
+    assert len([t for t in trained if t[0] == "ppfl"]) == 5
     assert summary["run"]["members"] == summary["run"]["non_members"] == 48
     assert json.loads((tmp_path / "ppfl_lira.json").read_text())["attacks"] == attacks
     assert sorted(p.name for p in (tmp_path / "shadows" / "e2e").iterdir()) == [
@@ -70,6 +71,18 @@ def test_each_system_is_attacked_with_shadows_trained_its_own_way(
     assert trained == [("e2e", 48, 3)]
     with pytest.raises(ConfigError, match="other settings"):
         ppfl_lira_table(images=_images(), shadows=5, aux_examples=40, head_epochs=1, out=tmp_path)
+
+
+def test_the_kept_row_from_a_shared_training_equals_training_with_the_layer_kept() -> None:
+    kept = ("ppfl-kept",)
+    alone = ppfl_lira_table(images=_images(), systems=kept, shadows=4, aux_examples=40, head_epochs=1)
+    both = ppfl_lira_table(
+        images=_images(), systems=("ppfl-released", *kept), shadows=4, aux_examples=40, head_epochs=1
+    )
+    for name in ("lira-online/ppfl-kept", "lira-offline/ppfl-kept", "accuracy/ppfl-kept"):
+        assert both["attacks"][name] == alone["attacks"][name]
+    released = both["attacks"]["lira-online/ppfl-released"]
+    assert released != both["attacks"]["lira-online/ppfl-kept"]
 
 
 def test_shadow_split_gives_the_target_s_clients_and_test_set() -> None:

@@ -24,7 +24,8 @@ and recipe:
 Online and offline LiRA then score the candidates with a global variance
 (:func:`fedveil.attacks.lira.lira_variants`).
 
-The run is long: ``3 x (shadows + 1)`` federated trainings. With an output folder, every shadow's phis
+The run is long: ``3 x (shadows + 1)`` federated trainings, or ``2 x (shadows + 1)`` when both PPFL rows
+are attacked (one PPFL training serves both). With an output folder, every shadow's phis
 are kept in ``shadows/<system>/`` and every finished system in ``parts/``. A rerun with the same
 settings resumes from them.
 """
@@ -32,6 +33,7 @@ settings resumes from them.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -50,7 +52,7 @@ from fedveil.errors import ConfigError
 from fedveil.experiments.attack_runs import membership_run
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.ppfl_attacks import _attacker_head, _part, _ppfl_run, auxiliary_examples, ppfl_like
-from fedveil.experiments.ppfl_runner import train_ppfl
+from fedveil.experiments.ppfl_runner import TrainedPpfl, train_ppfl
 from fedveil.protocols.ppfl import PpflConfig, conv_units
 
 __all__ = ["SYSTEMS", "ppfl_lira_table"]
@@ -118,10 +120,24 @@ def ppfl_lira_table(
         "head_epochs": head_epochs,
     }
 
+    kept_views: dict[tuple[int, str], nn.Module] = {}
+
+    def kept_view(trained: TrainedPpfl, device: str, seed: int) -> nn.Module:
+        """The ``ppfl-kept`` observer's model: the released convolutional units under its own head."""
+        frozen = nn.Sequential(*trained.pool.frozen[device][: conv_units(trained.model)])
+        head = copy.deepcopy(nn.Sequential(*trained.model.layer_units()[conv_units(trained.model) :]))
+        return _attacker_head(frozen, head, aux_x, aux_y, epochs=head_epochs, seed=seed)
+
     def train(system: str, data: ImageSplit, seed: int) -> nn.Module:
-        """One model of ``system`` on ``data``, as the observer sees it."""
+        """One model of ``system`` on ``data``, as the observer sees it. Keeping the last layer in the TEEs
+        changes only what the final stage releases, so when both PPFL rows are attacked, one training
+        serves both: the ``ppfl-kept`` view is taken from the ``ppfl-released`` training's convolutional
+        units (tested equal to training with the layer kept) and used when that row asks for it."""
         if system == "e2e":
             return train_fedavg(replace(images, seed=seed), split=data, progress=False).model().eval()
+        key = (seed, _fingerprint(data))
+        if system == "ppfl-kept" and key in kept_views:
+            return kept_views.pop(key)
         keep = system == "ppfl-kept"
         trained = train_ppfl(
             _ppfl_run(
@@ -130,11 +146,11 @@ def ppfl_lira_table(
             data,
         )
         device = next(c for c in trained.pool.client_ids() if c not in trained.pool.evaluators)
-        if not keep:
-            return trained.pool.trained_model(device).eval()
-        frozen = nn.Sequential(*trained.pool.frozen[device])
-        head = copy.deepcopy(nn.Sequential(*trained.model.layer_units()[conv_units(trained.model) :]))
-        return _attacker_head(frozen, head, aux_x, aux_y, epochs=head_epochs, seed=seed)
+        if keep:
+            return kept_view(trained, device, seed)
+        if "ppfl-kept" in systems:
+            kept_views[key] = kept_view(trained, device, seed)
+        return trained.pool.trained_model(device).eval()
 
     def rows(system: str) -> dict[str, Any]:
         target = train(system, split, images.seed)
@@ -181,6 +197,16 @@ def ppfl_lira_table(
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / "ppfl_lira.json", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
     return summary
+
+
+def _fingerprint(data: ImageSplit) -> str:
+    """A digest of a training split's examples, labels and clients' shares."""
+    digest = hashlib.sha256()
+    for part in (data.members.x, data.members.y):
+        digest.update(np.ascontiguousarray(part).tobytes())
+    for user in data.data.user_ids:
+        digest.update(str(user).encode() + np.ascontiguousarray(data.data.array(user, "y")).tobytes())
+    return digest.hexdigest()
 
 
 def _accuracy(model: nn.Module, test: ImageData) -> float:
