@@ -99,6 +99,32 @@ def test_seal_array_is_seal_of_encode_array_byte_for_byte(array: np.ndarray, tra
     assert enclave.open(streamed, kind=EMBEDDINGS, rnd=3, attempt=1) == encode_array(array)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        hnp.arrays(np.float32, st.integers(0, 30_000), elements={"allow_nan": False}), min_size=1, max_size=6
+    )
+)
+@example([np.arange(20_000, dtype=np.float32), np.ones(3, np.float32), np.arange(5_000, dtype=np.float32)])
+def test_seal_pieces_is_seal_of_their_concatenation_byte_for_byte(pieces: list[np.ndarray]) -> None:
+    """A gradient sealed from its per-parameter pieces (no joined copy) is the record of the whole."""
+    client_key, enclave_key = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+    nonce = os.urandom(32)
+    sender, twin = (
+        client_channel(client_key, public_bytes(enclave_key), client_id="c", nonce=nonce) for _ in "ab"
+    )
+    whole = np.concatenate(pieces)
+    assert sender.seal_pieces(GRADIENT, 2, 0, pieces) == twin.seal_array(GRADIENT, 2, 0, whole)
+
+
+def test_seal_pieces_refuses_what_is_not_flat_float32() -> None:
+    client_key, enclave_key = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+    sender = client_channel(client_key, public_bytes(enclave_key), client_id="c", nonce=bytes(32))
+    for pieces in ([], [np.ones((2, 2), np.float32)], [np.ones(3, np.float32), np.ones(3)]):
+        with pytest.raises(CodecError, match="1-D float32"):
+            sender.seal_pieces(GRADIENT, 0, 0, pieces)
+
+
 def test_non_canonical_frames_are_refused() -> None:
     good = pack_frame({"op": "x"}, [b"abc"])
     cases = {

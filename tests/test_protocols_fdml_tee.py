@@ -67,7 +67,8 @@ class _Spy:
         return self.inner.seal_embeddings(rnd, embeddings, attempt=attempt)
 
     def seal_gradient(self, rnd, gradient, *, attempt=0):
-        self.store.append(np.array(gradient, dtype=np.float32))
+        pieces = gradient if isinstance(gradient, (list, tuple)) else [gradient]
+        self.store.append(np.concatenate([np.ravel(p) for p in pieces]).astype(np.float32))
         return self.inner.seal_gradient(rnd, gradient, attempt=attempt)
 
     def open_derivatives(self, rnd, record, *, attempt=0):

@@ -34,6 +34,7 @@ import hmac
 import json
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -323,8 +324,14 @@ class EnclaveClientSession:
             raise ValidationError(f"embeddings must be (n, d), got shape {array.shape}")
         return self._ready().seal_array(EMBEDDINGS, rnd, attempt, array)
 
-    def seal_gradient(self, rnd: int, gradient: np.ndarray, *, attempt: int = 0) -> bytearray:
-        """Encrypt this round's flat float32 local gradient ``(P,)`` to the enclave (step 8)."""
+    def seal_gradient(
+        self, rnd: int, gradient: np.ndarray | Sequence[np.ndarray], *, attempt: int = 0
+    ) -> bytearray:
+        """Encrypt this round's flat float32 local gradient ``(P,)`` to the enclave (step 8). A list or
+        tuple of 1-D float32 arrays is the gradient in consecutive pieces, sealed without joining them
+        (the same record as their concatenation)."""
+        if isinstance(gradient, (list, tuple)):
+            return self._ready().seal_pieces(GRADIENT, rnd, attempt, gradient)
         array = np.asarray(gradient, dtype=np.float32)
         if array.ndim != 1:
             raise ValidationError(f"gradient must be flat (P,), got shape {array.shape}")

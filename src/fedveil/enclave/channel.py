@@ -233,6 +233,18 @@ def _array_parts(array: np.ndarray) -> tuple[bytes, np.ndarray]:
     return head, np.ascontiguousarray(a, dtype=ARRAY_DTYPES[code]).reshape(-1).view(np.uint8)
 
 
+def _pieces_parts(pieces: Sequence[np.ndarray]) -> list[bytes | np.ndarray]:
+    """:func:`encode_array`'s frame of the flat concatenation of ``pieces`` (1-D float32 arrays), in
+    parts: the header, then each piece's values as a byte view, without joining them."""
+    arrays = [np.asarray(p) for p in pieces]
+    if not arrays or any(a.ndim != 1 or a.dtype != np.float32 for a in arrays):
+        got = [f"{a.dtype}{a.shape}" for a in arrays]
+        raise CodecError(f"pieces of a flat float32 array must be 1-D float32 arrays, got {got}")
+    size = sum(a.size for a in arrays)
+    head = _ARRAY_PREFIX.pack(ARRAY_MAGIC, _ARRAY_CODES["<f4"], 1, 0) + _SHAPES[1].pack(size)
+    return [head, *(np.ascontiguousarray(a, dtype="<f4").view(np.uint8) for a in arrays)]
+
+
 def encode_array(array: np.ndarray) -> bytes:
     """Frame one float32, float64 or int64 array (little-endian, C order; module docstring)."""
     return b"".join(_array_parts(array))  # the values copied once (tobytes() and + would copy them twice)
@@ -333,6 +345,12 @@ class SecureChannel:
         """``seal(kind, rnd, attempt, encode_array(array))``, without building the plaintext: the array's
         frame header and values are encrypted straight from where they are."""
         return self._seal(kind, rnd, attempt, _array_parts(array))
+
+    def seal_pieces(self, kind: int, rnd: int, attempt: int, pieces: Sequence[np.ndarray]) -> bytearray:
+        """``seal_array(kind, rnd, attempt, np.concatenate(pieces))`` for 1-D float32 ``pieces``, without
+        joining them: each piece is encrypted from where it is (a device's gradient straight from the
+        per-layer blocks its backward pass wrote)."""
+        return self._seal(kind, rnd, attempt, _pieces_parts(pieces))
 
     def _seal(
         self, kind: int, rnd: int, attempt: int, parts: Sequence[bytes | memoryview | np.ndarray]

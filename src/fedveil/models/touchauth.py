@@ -129,6 +129,13 @@ class TouchAuthNet(nn.Module):
         batched matrix product) and its bias gradient ``sum δ_k``. Columns follow ``self.parameters()``, so
         a row is the flat gradient a device uploads (FDML Fig. 2, step 7).
         """
+        return torch.cat(self.group_gradient_pieces(trace, rows, derivatives, groups), dim=1)
+
+    def group_gradient_pieces(
+        self, trace: TouchAuthTrace, rows: torch.Tensor, derivatives: torch.Tensor, groups: int
+    ) -> list[torch.Tensor]:
+        """:meth:`group_gradients` before its columns are joined: one ``(groups, size)`` block per
+        parameter, in ``self.parameters()`` order (a device's flat gradient is its rows, concatenated)."""
         batch = rows.shape[0]
         if batch % groups:
             raise ValueError(f"{batch} samples do not split into {groups} equal groups")
@@ -142,7 +149,7 @@ class TouchAuthNet(nn.Module):
             d_g = delta.reshape(groups, -1, delta.shape[-1])
             pieces.append(torch.bmm(d_g.transpose(1, 2), h_g).reshape(groups, -1))
             pieces.append(d_g.sum(1))
-        return torch.cat(pieces, dim=1)
+        return pieces
 
 
 @dataclass(frozen=True)

@@ -571,7 +571,9 @@ class FDMLClients:
         for cid, g in grads.items():
             m, count = msgs[cid], len(ready[cid].inputs)
             if self.sessions is None:
-                out[cid] = GradReply(m.round, m.attempt, count, g)
+                out[cid] = GradReply(
+                    m.round, m.attempt, count, np.concatenate(g) if isinstance(g, tuple) else g
+                )
             else:
                 out[cid] = self._sealed(
                     cid,
@@ -602,30 +604,35 @@ class FDMLClients:
 
     def _batched_gradients(
         self, ready: Mapping[ClientId, _Pending], derivs: Mapping[ClientId, torch.Tensor]
-    ) -> dict[ClientId, np.ndarray]:
+    ) -> dict[ClientId, np.ndarray | tuple[np.ndarray, ...]]:
         """Step 7 for many devices at once.
 
-        Devices whose step-4 forward pass was traced (a model with ``trace``/``group_gradients``, such as
-        ``TouchAuthNet``) get their gradients from that trace in one written-out backward pass; any other
-        model is run under ``vmap(grad(...))`` over devices.
+        Devices whose step-4 forward pass was traced (a model with ``trace``/``group_gradient_pieces``,
+        such as ``TouchAuthNet``) get their gradients from that trace in one written-out backward pass,
+        each as its consecutive per-parameter pieces; any other model is run under ``vmap(grad(...))``
+        over devices.
         """
         groups: dict[tuple[int, int], list[ClientId]] = {}
         for cid, p in ready.items():
             groups.setdefault(
                 (id(p.trace) if p.trace is not None else id(p.weights), len(p.inputs)), []
             ).append(cid)
-        out: dict[ClientId, np.ndarray] = {}
+        out: dict[ClientId, np.ndarray | tuple[np.ndarray, ...]] = {}
         for group in groups.values():
             first = ready[group[0]]
             ds = torch.cat([derivs[c] for c in group])
             if first.trace is not None:
                 rows = torch.cat([ready[c].rows for c in group])
-                g = self.flat.module.group_gradients(first.trace, rows, ds, len(group)).numpy()
+                blocks = self.flat.module.group_gradient_pieces(first.trace, rows, ds, len(group))
+                arrays = [b.numpy() for b in blocks]
+                # each device's gradient stays in its rows of the per-parameter blocks: sealing reads them
+                # in order, so the (devices, P) matrix is never assembled
+                out.update({c: tuple(a[i] for a in arrays) for i, c in enumerate(group)})
             else:
                 xs = torch.stack([ready[c].inputs for c in group])
                 ds = ds.reshape(len(group), -1, ds.shape[-1])
                 g = vmap(grad(self._contribution), in_dims=(None, 0, 0))(first.weights, xs, ds).numpy()
-            out.update({c: g[i] for i, c in enumerate(group)})
+                out.update({c: g[i] for i, c in enumerate(group)})
         return out
 
     def _contribution(self, p: torch.Tensor, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
