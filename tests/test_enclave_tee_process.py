@@ -16,7 +16,7 @@ from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuote
 from fedveil.enclave.aggregate import aggregate_gradients
 from fedveil.enclave.channel import FRAME_MAGIC, encode_array, pack_frame, unpack_frame
 from fedveil.enclave.measure import EnclaveConfig, measure_enclave
-from fedveil.enclave.process import LENGTH, SHARED_ENV, SHARED_FLAG, serve
+from fedveil.enclave.process import COPIED, LENGTH, SHARED_ENV, SHARED_FLAG, serve
 from fedveil.enclave.service import EnclaveMemoryError, launch_frame
 from fedveil.enclave.triplet import loss_and_derivatives
 from fedveil.runtime.enclave_host import SHARED_MIN_BYTES, EnclaveHost, EnclaveProcessError, ProcessTransport
@@ -140,11 +140,14 @@ def _frames(*frames: bytes) -> io.BytesIO:
 
 
 def _replies(data: bytes) -> list[dict]:
+    """The reply frames' headers, past the COPIED marks of shared-region requests."""
     out, pos = [], 0
     while pos < len(data):
         (n,) = LENGTH.unpack_from(data, pos)
-        out.append(unpack_frame(data[pos + 8 : pos + 8 + n])[0])
-        pos += 8 + n
+        pos += 8
+        if n != COPIED:
+            out.append(unpack_frame(data[pos : pos + n])[0])
+            pos += n
     return out
 
 
@@ -224,6 +227,11 @@ def test_the_process_loop_reads_flagged_requests_from_the_shared_region_only() -
     )
     writer = io.BytesIO()
     assert serve(reader, writer, shared=region) == 0
+    # the shared request is marked copied before its reply; refused ones are never read, so not marked
+    assert (
+        writer.getvalue().startswith(LENGTH.pack(COPIED))
+        and writer.getvalue().count(LENGTH.pack(COPIED)) == 1
+    )
     launched, too_long, oversized, shutdown = _replies(writer.getvalue())
     assert launched["ok"] and shutdown["ok"]
     assert too_long["error"] == "CodecError" and "shared region of 65536 bytes" in too_long["message"]
@@ -234,3 +242,25 @@ def test_the_process_loop_reads_flagged_requests_from_the_shared_region_only() -
     assert serve(reader, writer) == 0
     (refused,) = _replies(writer.getvalue())
     assert refused["error"] == "CodecError" and "no shared region" in refused["message"]
+
+
+def test_submitted_requests_are_answered_in_order_through_the_region_and_the_pipe() -> None:
+    """The host may submit shared-region requests back to back (each is written once the enclave has
+    copied the previous one in) and pipe requests behind them; replies come back in order."""
+    transport = ProcessTransport(shared_bytes=2**21)
+    try:
+        assert unpack_frame(transport.request(launch_frame(CONFIG, bytes(32))))[0]["ok"]
+        big = bytes(SHARED_MIN_BYTES)
+        ops = ["region-1", "region-2", "pipe", "region-3"]
+        for op in ops:
+            transport.submit(pack_frame({"op": op}, [big] if op.startswith("region") else []))
+        with pytest.raises(EnclaveProcessError, match="outstanding"):
+            transport.request(pack_frame({"op": "x"}))
+        said = [unpack_frame(transport.collect())[0]["message"] for _ in ops]
+        assert all(f"unknown enclave operation '{op}'" in m for op, m in zip(ops, said, strict=True))
+        with pytest.raises(EnclaveProcessError, match="no request outstanding"):
+            transport.collect()
+        transport.submit(pack_frame({"op": "left-unread"}, [big]))
+    finally:
+        transport.close()  # reads what is still owed before it asks the enclave to shut down
+    assert transport._proc.wait(timeout=5) == 0

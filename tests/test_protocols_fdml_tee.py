@@ -123,3 +123,72 @@ def test_a_device_refuses_an_enclave_with_the_wrong_measurement(toy_population) 
     drops = [d for d in trainer.runtime.stats().dropouts if d.phase == "attest"]
     assert len(drops) == 12
     assert all(MeasurementMismatchError.__name__ in d.reason for d in drops)
+
+
+@pytest.mark.parametrize("boundary", ["inprocess", "process"])
+def test_streamed_step_nine_equals_the_direct_call_over_several_requests(
+    toy_population, monkeypatch: pytest.MonkeyPatch, boundary: str
+) -> None:
+    """With an enclave too small for one round's gradients, step 9 takes several requests. Fed to the
+    enclave as the uploads arrive (pipelined through the shared region), it trains the same network, bit
+    for bit, as the direct call after all uploads are in."""
+    from fedveil.protocols.fdml import AttestedEnclave
+    from fedveil.runtime.enclave_host import AggregateStream, EnclaveHost
+
+    cfg = load_config(None, [*SMALL, f"enclave.boundary={boundary}", "enclave.memory_limit_mib=20"])
+    finished: list[int] = []
+    real_finish = AggregateStream.finish
+
+    def finish(self):
+        result = real_finish(self)
+        finished.append(result.batches)
+        return result
+
+    monkeypatch.setattr(AggregateStream, "finish", finish)
+    streamed = _train(cfg, toy_population, 3)
+    assert finished == [2, 2, 2]  # two requests of two devices' gradients each round
+    direct_batches: list[int] = []
+    real_aggregate = EnclaveHost.aggregate
+
+    def aggregate(self, *args, **kwargs):
+        result = real_aggregate(self, *args, **kwargs)
+        direct_batches.append(result.batches)
+        return result
+
+    monkeypatch.setattr(EnclaveHost, "aggregate", aggregate)
+    monkeypatch.setattr(AttestedEnclave, "gradient_stream", lambda self, *a: None)
+    direct = _train(cfg, toy_population, 3)
+    assert direct_batches == [2, 2, 2]
+    np.testing.assert_array_equal(streamed[0], direct[0])
+    assert [x.loss for x in streamed[1]] == [x.loss for x in direct[1]]
+
+
+def test_a_stream_that_missed_a_kept_reply_falls_back_to_the_direct_call(
+    toy_population, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the replies a round keeps are not exactly those the stream was fed (a runtime that validated a
+    reply and then did not keep it, say), the stream is drained unreleased and step 9 runs directly."""
+    from fedveil.protocols.fdml import AttestedEnclave
+    from fedveil.runtime.enclave_host import AggregateStream
+
+    cfg = load_config(None, [*SMALL, "enclave.boundary=process", "enclave.memory_limit_mib=20"])
+    reference = _train(cfg, toy_population, 2)
+    aborted: list[int] = []
+    real_stream, real_abort = AttestedEnclave.gradient_stream, AggregateStream.abort
+
+    def gradient_stream(self, *args):
+        stream = real_stream(self, *args)
+        inner = stream.add
+        # this stream misses every reply but the first
+        stream.add = lambda cid, record, n: None if stream.clients else inner(cid, record, n)
+        return stream
+
+    def abort(self):
+        aborted.append(len(self.clients))
+        real_abort(self)
+
+    monkeypatch.setattr(AttestedEnclave, "gradient_stream", gradient_stream)
+    monkeypatch.setattr(AggregateStream, "abort", abort)
+    weights, reports = _train(cfg, toy_population, 2)
+    assert aborted == [1, 1] and all(r.applied for r in reports)
+    np.testing.assert_array_equal(weights, reference[0])

@@ -245,6 +245,11 @@ def _pieces_parts(pieces: Sequence[np.ndarray]) -> list[bytes | np.ndarray]:
     return [head, *(np.ascontiguousarray(a, dtype="<f4").view(np.uint8) for a in arrays)]
 
 
+def sealed_vector_bytes(size: int) -> int:
+    """The length of a sealed record of a flat float32 array of ``size`` values (a device's gradient)."""
+    return RECORD_OVERHEAD + _ARRAY_PREFIX.size + _SHAPES[1].size + 4 * size
+
+
 def encode_array(array: np.ndarray) -> bytes:
     """Frame one float32, float64 or int64 array (little-endian, C order; module docstring)."""
     return b"".join(_array_parts(array))  # the values copied once (tobytes() and + would copy them twice)

@@ -12,12 +12,15 @@ A length with its top bit set (:data:`SHARED_FLAG`) says the request is not in t
 start of the shared memory region whose file descriptor the host passed in ``FEDVEIL_ENCLAVE_SHARED_FD``
 (a ``memfd``). That region is untrusted memory, like an SGX enclave's view of the host's: the request is
 copied into the process's own memory before anything reads it, so the host cannot change it while it
-is parsed. Each request is handed to :meth:`fedveil.enclave.service.EnclaveService.handle`. A request longer
-than the enclave's memory limit is refused before it is read into memory (its bytes are skipped and
-an ``EnclaveMemoryError`` reply is sent). ``FEDVEIL_ENCLAVE_CONFIG`` (canonical config JSON), when
-set, pins the launch configuration. Anything the process would print goes to standard error,
-so nothing but replies ever reaches the host on stdout. The loop ends on ``shutdown`` or when the
-host closes stdin.
+is parsed. Once it is copied, the enclave writes the length :data:`COPIED` (with no frame) before it
+starts on the request, so that the host may write its next request into the region while this one is
+computed (the host pipelines a round's gradient batches this way). Each request is handed to
+:meth:`fedveil.enclave.service.EnclaveService.handle`. A request longer than the enclave's memory
+limit is refused before it is read into memory (its bytes are skipped and an ``EnclaveMemoryError``
+reply is sent). ``FEDVEIL_ENCLAVE_CONFIG`` (canonical config JSON), when set, pins the launch
+configuration. Anything the process would print goes to standard error, so nothing but replies and
+COPIED marks ever reaches the host on stdout. The loop ends on ``shutdown`` or when the host closes
+stdin.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ SHARED_ENV = "FEDVEIL_ENCLAVE_SHARED_FD"
 """Environment variable naming the inherited file descriptor of the shared request region."""
 SHARED_FLAG = 1 << 63
 """Set in a request's length: the request is in the shared region, not in the pipe."""
+COPIED = SHARED_FLAG
+"""Written on stdout in place of a reply length, with no frame: the request in the shared region is copied
+in, and the region is the host's again (a reply's length never has the top bit set)."""
 
 
 def _read_exact(reader: BinaryIO, n: int) -> bytearray | None:
@@ -104,6 +110,8 @@ def serve(
                 continue
             # copied in (one pass, no zero-fill first): the host cannot change it now
             request: bytes | bytearray = bytes(memoryview(shared)[:n])
+            writer.write(LENGTH.pack(COPIED))
+            writer.flush()
         else:
             got = _read_exact(reader, n) if n else bytearray()
             if got is None:

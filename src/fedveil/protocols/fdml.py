@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from torch.func import grad, vmap
 
 from fedveil.core.communicator import ClientId, Communicator
 from fedveil.enclave.aggregate import aggregate_gradients
+from fedveil.enclave.channel import sealed_vector_bytes
 from fedveil.enclave.dp import private_derivatives
 from fedveil.enclave.triplet import loss_and_derivatives
 from fedveil.errors import ConfigError, FedveilError, ValidationError
@@ -53,6 +54,9 @@ from fedveil.protocols.messages import (
 )
 from fedveil.protocols.registration import attest_clients, register_clients
 from fedveil.protocols.settings import FDMLConfig
+
+if TYPE_CHECKING:
+    from fedveil.runtime.enclave_host import AggregateStream
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +93,10 @@ class Enclave(Protocol):
 
     def step_five(self, rnd: int, attempt: int, replies: Mapping[ClientId, Any]) -> StepFive: ...
 
+    def gradient_stream(self, rnd: int, attempt: int, num_params: int) -> Any: ...
+
     def step_nine(
-        self, rnd: int, attempt: int, replies: Mapping[ClientId, Any]
+        self, rnd: int, attempt: int, replies: Mapping[ClientId, Any], stream: Any = None
     ) -> tuple[np.ndarray | None, dict[ClientId, str]]: ...
 
 
@@ -189,8 +195,12 @@ class LocalEnclave:
         requests = {c: BackpropRequest(rnd, attempt, d) for c, d in zip(order, blocks, strict=True)}
         return StepFive(result["loss"], int(result["active"]), requests)
 
+    def gradient_stream(self, rnd: int, attempt: int, num_params: int) -> None:
+        """Nothing to stream to: step 9 runs here, on the host's own cores."""
+        return None
+
     def step_nine(
-        self, rnd: int, attempt: int, replies: Mapping[ClientId, GradReply]
+        self, rnd: int, attempt: int, replies: Mapping[ClientId, GradReply], stream: None = None
     ) -> tuple[np.ndarray | None, dict[ClientId, str]]:
         """Eq. 2 over the gradients that arrived."""
         g = aggregate_gradients(
@@ -234,16 +244,35 @@ class AttestedEnclave:
         requests = {c: SealedBackpropRequest(rnd, attempt, rec) for c, rec in res.derivatives.items()}
         return StepFive(res.loss or 0.0, res.num_active, requests, dict(res.rejected))
 
+    def gradient_stream(self, rnd: int, attempt: int, num_params: int) -> AggregateStream | None:
+        """A step-9 stream the host feeds each valid gradient record as it arrives, so that the
+        enclave sums the first requests while the rest are still coming in
+        (:meth:`~fedveil.runtime.enclave_host.EnclaveHost.aggregate_stream`), bounded by an honest
+        record's length (a longer one is left to :meth:`step_nine`'s direct path)."""
+        make = getattr(self.host, "aggregate_stream", None)
+        return None if make is None else make(rnd, sealed_vector_bytes(num_params), attempt=attempt)
+
     def step_nine(
-        self, rnd: int, attempt: int, replies: Mapping[ClientId, SealedGradReply]
+        self,
+        rnd: int,
+        attempt: int,
+        replies: Mapping[ClientId, SealedGradReply],
+        stream: AggregateStream | None = None,
     ) -> tuple[np.ndarray | None, dict[ClientId, str]]:
-        """The enclave opens the gradient records and releases only their Eq. 2 aggregate."""
-        res = self.host.aggregate(
-            rnd,
-            {c: m.record for c, m in replies.items()},
-            {c: m.num_samples for c, m in replies.items()},
-            attempt=attempt,
-        )
+        """The enclave opens the gradient records and releases only their Eq. 2 aggregate: from
+        ``stream`` when it was fed exactly ``replies``, in order (the same requests as the direct call,
+        so the same numbers), else by the direct call over ``replies``."""
+        if stream is not None and stream.clients == list(replies):
+            res = stream.finish()
+        else:
+            if stream is not None:
+                stream.abort()
+            res = self.host.aggregate(
+                rnd,
+                {c: m.record for c, m in replies.items()},
+                {c: m.num_samples for c, m in replies.items()},
+                attempt=attempt,
+            )
         return res.gradient, dict(res.rejected)
 
 
@@ -368,11 +397,16 @@ class FDMLServer:
         five = self.enclave.step_five(rnd, attempt, embeds)
         same_round = self._round_check(rnd, attempt)
         num_params = int(self.params.numel())
+        stream = self.enclave.gradient_stream(rnd, attempt, num_params) if five.requests else None
 
         def check_grad(cid: ClientId, msg: Any) -> None:
             same_round(cid, msg)
             expect(msg.num_samples == n, f"num_samples {msg.num_samples}, expected {n}")
             self.enclave.check_grad(msg, num_params)
+            # a valid reply goes on to the enclave at once (step 9 overlaps the rest of the uploads);
+            # step_nine checks that the stream saw exactly the replies the round kept
+            if stream is not None and len(msg.record) <= stream.largest:
+                stream.add(cid, msg.record, msg.num_samples)
 
         grads = await comm.request(
             five.requests,
@@ -385,8 +419,10 @@ class FDMLServer:
         missing = len(embeds) - len(grads)
         applied = len(grads) >= cfg.min_gradients and not (cfg.on_missing_gradients == "abandon" and missing)
         rejected = dict(five.rejected)
+        if not applied and stream is not None:
+            stream.abort()
         if applied:
-            g, late_rejects = self.enclave.step_nine(rnd, attempt, grads)
+            g, late_rejects = self.enclave.step_nine(rnd, attempt, grads, stream)
             rejected.update(late_rejects)
             applied = g is not None and len(grads) - len(late_rejects) >= cfg.min_gradients
             if applied:

@@ -38,6 +38,7 @@ import struct
 import subprocess
 import sys
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -57,7 +58,7 @@ from fedveil.enclave.channel import (
 )
 from fedveil.enclave.layerwise import ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
-from fedveil.enclave.process import SHARED_ENV, SHARED_FLAG
+from fedveil.enclave.process import COPIED, SHARED_ENV, SHARED_FLAG
 from fedveil.enclave.service import FRAME_SLACK_BYTES, SESSION_BYTES, EnclaveMemoryError, EnclaveService
 from fedveil.errors import CodecError, ConfigError, FedveilError, ValidationError
 from fedveil.runtime.quoting import Launch, SimulatedPlatform
@@ -100,11 +101,20 @@ Buffer = bytes | bytearray | memoryview
 
 
 class EnclaveTransport(Protocol):
-    """Carries one request frame to the enclave and its reply frame back."""
+    """Carries request frames to the enclave and their reply frames back, in order."""
+
+    def submit(self, *parts: Buffer) -> None:
+        """Send the frame made of ``parts`` (in order, as :func:`~fedveil.enclave.channel.frame_parts`
+        lists them) without waiting for its reply: the enclave may compute it while the host goes on.
+        The parts may be reused once this returns."""
+        ...
+
+    def collect(self) -> bytes:
+        """The reply to the oldest submitted request not yet collected."""
+        ...
 
     def request(self, *parts: Buffer) -> bytes:
-        """Send the frame made of ``parts`` (in order, as :func:`~fedveil.enclave.channel.frame_parts`
-        lists them); return the enclave's reply."""
+        """``submit(*parts)`` then ``collect()``, with no other request outstanding."""
         ...
 
     def close(self) -> None:
@@ -113,14 +123,27 @@ class EnclaveTransport(Protocol):
 
 
 class InProcessTransport:
-    """The enclave service in the host's own process: same bytes, no isolation."""
+    """The enclave service in the host's own process: same bytes, no isolation (a submitted request is
+    answered at once, its reply kept for :meth:`collect`)."""
 
     def __init__(self) -> None:
         self._service = EnclaveService()
+        self._replies: deque[bytes] = deque()
+
+    def submit(self, *parts: Buffer) -> None:
+        """Hand the frame to the service; keep its reply."""
+        self._replies.append(self._service.handle(parts[0] if len(parts) == 1 else b"".join(parts)))
+
+    def collect(self) -> bytes:
+        """The oldest reply not yet collected."""
+        if not self._replies:
+            raise EnclaveProcessError("collect() with no request outstanding")
+        return self._replies.popleft()
 
     def request(self, *parts: Buffer) -> bytes:
         """Hand the frame to the service and return its reply."""
-        return self._service.handle(parts[0] if len(parts) == 1 else b"".join(parts))
+        self.submit(*parts)
+        return self.collect()
 
     def close(self) -> None:
         """Nothing to stop."""
@@ -167,6 +190,8 @@ class ProcessTransport:
             if fd is not None:
                 os.close(fd)
         self._finalizer = weakref.finalize(self, _stop, self._proc)
+        self._expected: deque[str] = deque()  # what the enclave still owes on stdout, oldest first
+        self._replies: deque[bytes] = deque()
 
     @property
     def pid(self) -> int:
@@ -178,41 +203,79 @@ class ProcessTransport:
         state = "is still running" if code is None else f"exited with status {code}"
         return EnclaveProcessError(f"enclave process {self._proc.pid} {what}; it {state}")
 
-    def request(self, *parts: Buffer) -> bytes:
-        """Write one length-prefixed request (its parts straight into the shared region, or the pipe)
-        and read the length-prefixed reply."""
-        stdin, stdout = self._proc.stdin, self._proc.stdout
-        if stdin is None or stdout is None or stdin.closed:
+    def submit(self, *parts: Buffer) -> None:
+        """Write one length-prefixed request, its parts straight into the shared region (once the
+        enclave has copied the previous request out of it) or into the pipe (once every earlier reply
+        is read, so that neither side can block on a full pipe)."""
+        stdin = self._proc.stdin
+        if stdin is None or stdin.closed:
             raise EnclaveProcessError("the enclave process transport is closed")
         views = [memoryview(p).cast("B") for p in parts]
         n = sum(v.nbytes for v in views)
+        region = self._shared
+        if region is None or not SHARED_MIN_BYTES <= n <= len(region):
+            region = None
+        # the region is free once its last request's COPIED mark is read; the pipe once all replies are
+        while self._expected and (region is None or "copied" in self._expected):
+            self._read_next()
         try:
-            if self._shared is not None and SHARED_MIN_BYTES <= n <= len(self._shared):
+            if region is not None:
                 at = 0
                 for v in views:
-                    self._shared[at : at + v.nbytes] = v
+                    region[at : at + v.nbytes] = v
                     at += v.nbytes
                 stdin.write(_LENGTH.pack(n | SHARED_FLAG))
+                self._expected.append("copied")
             else:
                 stdin.write(_LENGTH.pack(n))
                 for v in views:
                     stdin.write(v)
+            self._expected.append("reply")
             stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise self._lost(f"stopped reading requests ({exc})") from exc
+
+    def collect(self) -> bytes:
+        """Read up to the reply of the oldest outstanding request and return it."""
+        while not self._replies:
+            if not self._expected:
+                raise EnclaveProcessError("collect() with no request outstanding")
+            self._read_next()
+        return self._replies.popleft()
+
+    def request(self, *parts: Buffer) -> bytes:
+        """Write one request and read its reply."""
+        if self._expected or self._replies:
+            raise EnclaveProcessError("request() while submitted requests are outstanding: collect them")
+        self.submit(*parts)
+        return self.collect()
+
+    def _read_next(self) -> None:
+        """Read the next thing the enclave owes: a request's COPIED mark, or a reply (kept)."""
+        stdout = self._proc.stdout
+        if stdout is None:
+            raise EnclaveProcessError("the enclave process transport is closed")
         head = stdout.read(_LENGTH.size)
         if len(head) != _LENGTH.size:
             raise self._lost("closed its reply stream")
         (n,) = _LENGTH.unpack(head)
+        want = self._expected.popleft()
+        if (n == COPIED) != (want == "copied"):
+            raise self._lost(f"sent {'a COPIED mark' if n == COPIED else 'a reply'} where a {want} was due")
+        if n == COPIED:
+            return
         reply = stdout.read(n)
         if len(reply) != n:
             raise self._lost(f"sent {len(reply)} of a {n}-byte reply")
-        return reply
+        self._replies.append(reply)
 
     def close(self) -> None:
         """Ask the enclave to shut down, then make sure the process is gone."""
         if self._proc.poll() is None and self._proc.stdin is not None and not self._proc.stdin.closed:
             try:
+                while self._expected:  # replies nobody collected (a caller's error cut it short)
+                    self._read_next()
+                self._replies.clear()
                 self.request(pack_frame({"op": "shutdown"}))
                 self._proc.wait(timeout=5)
             except (EnclaveProcessError, subprocess.TimeoutExpired):
@@ -245,6 +308,109 @@ class AggregateResult:
     rejected: dict[str, str]
     batches: int
     peak_bytes: int
+
+
+class _BatchPlan:
+    """Where a stream of sealed records is cut into requests the enclave can hold: request and
+    plaintexts (about twice the sealed bytes), Eq. 2's float64 work and the running aggregate, and the
+    sessions, within the memory limit, for records of at most ``largest`` bytes (the enclave's own check
+    has the last word). Greedy: a record starts a new request when it would not fit the current one."""
+
+    def __init__(self, host: EnclaveHost, largest: int) -> None:
+        resident = 2 * largest + SESSION_BYTES * len(host._sessions)
+        self.room = host.config.memory_limit_bytes - 8 * largest - resident - 4 * FRAME_SLACK_BYTES
+        self.used = 0
+
+    def starts_new_batch(self, record_bytes: int) -> bool:
+        """Count a record of ``record_bytes`` in; whether it opens a new request."""
+        cost = 2 * (record_bytes + RECORD_OVERHEAD)
+        new = self.used > 0 and self.used + cost > self.room
+        self.used = cost if new else self.used + cost
+        return new
+
+
+class AggregateStream:
+    """FDML step 9 fed one gradient record at a time (:meth:`EnclaveHost.aggregate_stream`).
+
+    Records are cut into requests as :meth:`EnclaveHost.aggregate` cuts them. A full request is
+    submitted at once and not waited for: the enclave opens and sums it while the host receives the
+    next devices' replies (the shared region is written again as soon as the enclave has copied the
+    previous request in). :meth:`finish` sends the last request as the final one and gathers every
+    reply; :meth:`abort` gathers them and releases nothing (the enclave drops the partial sum when the
+    next aggregation starts). ``clients`` lists the records added, in order.
+    """
+
+    def __init__(self, host: EnclaveHost, rnd: int, attempt: int, largest: int) -> None:
+        self.host, self.rnd, self.attempt, self.largest = host, rnd, attempt, largest
+        self._plan = _BatchPlan(host, largest)
+        self.clients: list[str] = []
+        self._batch: list[tuple[str, Buffer, int]] = []
+        self._submitted = 0
+        self._done = False
+
+    def add(self, cid: str, record: Buffer, num_samples: int) -> None:
+        """Take ``cid``'s sealed gradient record (at most ``largest`` bytes) weighted by ``num_samples``."""
+        if self._done:
+            raise ValidationError("this step-9 stream is finished; start another")
+        size = memoryview(record).nbytes
+        if size > self.largest:
+            raise ValidationError(f"gradient record of {size} bytes exceeds the stream's {self.largest}")
+        if self._plan.starts_new_batch(size) and self._batch:
+            self._send(final=False)
+        self._batch.append((cid, record, int(num_samples)))
+        self.clients.append(cid)
+
+    def _send(self, *, final: bool) -> None:
+        batch, self._batch = self._batch, []
+        self.host._submit(
+            {
+                "op": "aggregate",
+                "round": self.rnd,
+                "attempt": self.attempt,
+                "clients": [c for c, _, _ in batch],
+                "num_samples": [n for _, _, n in batch],
+                "final": final,
+            },
+            [r for _, r, _ in batch],
+        )
+        self._submitted += 1
+
+    def _gather(self) -> list[tuple[dict[str, Any], list[memoryview]]]:
+        replies, error = [], None
+        while self._submitted:
+            self._submitted -= 1
+            try:
+                replies.append(self.host._collect("aggregate"))
+            except FedveilError as exc:  # keep reading: every submitted request's reply is owed
+                error = error or exc
+        if error is not None:
+            raise error
+        return replies
+
+    def finish(self) -> AggregateResult:
+        """Send the last request as the final one; the released aggregate and what each request said."""
+        if self._done:
+            raise ValidationError("this step-9 stream is finished already")
+        if not self._batch:
+            raise ValidationError(f"round {self.rnd}: aggregate needs at least one sealed gradient")
+        self._done = True
+        self._send(final=True)
+        replies = self._gather()
+        rejected: dict[str, str] = {}
+        accepted: list[str] = []
+        for head, _ in replies:
+            rejected.update(head["rejected"])
+            accepted.extend(head["clients"])
+        head, out = replies[-1]
+        gradient = np.array(decode_array(out[0], dtype=head["dtype"], ndim=1)) if out else None
+        peak = max(h["peak_bytes"] for h, _ in replies)
+        return AggregateResult(gradient, accepted, rejected, len(replies), peak)
+
+    def abort(self) -> None:
+        """Release nothing: read the replies of what was submitted and drop the rest."""
+        self._done = True
+        self._batch = []
+        self._gather()
 
 
 @dataclass(frozen=True)
@@ -322,16 +488,23 @@ class EnclaveHost:
         self.close()
 
     def _call(self, header: Mapping[str, Any], blobs: list[bytes]) -> tuple[dict[str, Any], list[memoryview]]:
-        parts = frame_parts(header, blobs)
+        self._submit(header, blobs)
+        return self._collect(str(header["op"]))
+
+    def _submit(self, header: Mapping[str, Any], blobs: Sequence[Buffer]) -> None:
+        parts = frame_parts(header, list(blobs))
         if self._tap is not None:
             self._tap("to_enclave", b"".join(parts))
-        reply = self._transport.request(*parts)
+        self._transport.submit(*parts)
+
+    def _collect(self, op: str) -> tuple[dict[str, Any], list[memoryview]]:
+        reply = self._transport.collect()
         if self._tap is not None:
             self._tap("from_enclave", reply)
         head, out = unpack_frame(reply)
         if head.get("ok") is not True:
             kind = _ERRORS.get(str(head.get("error")), EnclaveError)
-            raise kind(f"enclave refused {header['op']}: {head.get('error')}: {head.get('message')}")
+            raise kind(f"enclave refused {op}: {head.get('error')}: {head.get('message')}")
         return head, out
 
     def open_session(self, client_hello: bytes) -> bytes:
@@ -359,22 +532,15 @@ class EnclaveHost:
             peak_bytes=head["peak_bytes"],
         )
 
-    def _batches(self, sealed: Mapping[str, bytes]) -> Iterator[list[str]]:
-        """Split clients into requests the enclave can hold: request and plaintexts (about twice the
-        sealed bytes), Eq. 2's float64 work and the running aggregate, and the sessions, within the
-        memory limit (the enclave's own check has the last word)."""
-        largest = max(len(b) for b in sealed.values())
-        resident = 2 * largest + SESSION_BYTES * len(self._sessions)
-        room = self.config.memory_limit_bytes - 8 * largest - resident - 4 * FRAME_SLACK_BYTES
+    def _batches(self, sealed: Mapping[str, Buffer]) -> Iterator[list[str]]:
+        """Split clients into requests the enclave can hold (:class:`_BatchPlan`)."""
+        plan = _BatchPlan(self, max(len(b) for b in sealed.values()))
         batch: list[str] = []
-        used = 0
         for cid, record in sealed.items():
-            cost = 2 * (len(record) + RECORD_OVERHEAD)
-            if batch and used + cost > room:
+            if plan.starts_new_batch(len(record)) and batch:
                 yield batch
-                batch, used = [], 0
+                batch = []
             batch.append(cid)
-            used += cost
         yield batch
 
     def aggregate(
@@ -392,30 +558,16 @@ class EnclaveHost:
             raise ValidationError(f"round {rnd}: aggregate needs at least one sealed gradient")
         if set(sealed) != set(num_samples):
             raise ValidationError("aggregate: sealed gradients and num_samples name different clients")
-        batches = list(self._batches(sealed))
-        rejected: dict[str, str] = {}
-        accepted: list[str] = []
-        peak = 0
-        gradient: np.ndarray | None = None
-        for i, batch in enumerate(batches):
-            final = i == len(batches) - 1
-            head, out = self._call(
-                {
-                    "op": "aggregate",
-                    "round": rnd,
-                    "attempt": attempt,
-                    "clients": batch,
-                    "num_samples": [int(num_samples[c]) for c in batch],
-                    "final": final,
-                },
-                [sealed[c] for c in batch],
-            )
-            rejected.update(head["rejected"])
-            accepted.extend(head["clients"])
-            peak = max(peak, head["peak_bytes"])
-            if final and out:
-                gradient = np.array(decode_array(out[0], dtype=head["dtype"], ndim=1))
-        return AggregateResult(gradient, accepted, rejected, len(batches), peak)
+        stream = self.aggregate_stream(rnd, max(len(b) for b in sealed.values()), attempt=attempt)
+        for cid, record in sealed.items():
+            stream.add(cid, record, num_samples[cid])
+        return stream.finish()
+
+    def aggregate_stream(self, rnd: int, largest: int, *, attempt: int = 0) -> AggregateStream:
+        """Step 9 fed client by client as the gradients arrive (:class:`AggregateStream`); ``largest``
+        bounds the records' length. Fed the same records in the same order with the same ``largest``,
+        it releases what :meth:`aggregate` releases, bit for bit: both cut the same requests."""
+        return AggregateStream(self, rnd, attempt, largest)
 
     # --- PPFL (Alg. 1; fedveil.enclave.layerwise) ------------------------------------------------------
 
