@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fedveil.core import codec
+from fedveil.core.communicator import Deferred
 from fedveil.core.messages import array_field, message
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.runtime.simulation import LatencyModel, PhaseFaults, SimulationRuntime
@@ -223,3 +224,48 @@ def test_bad_settings_are_refused() -> None:
                 {"zz": Ping(1, np.zeros(1, np.float32))}, phase="p", min_replies=1, timeout=1.0, expected=Pong
             )
         )
+
+
+def test_deferred_replies_are_built_as_the_runtime_takes_each_up() -> None:
+    """A pool may leave each reply's last step (FDML: sealing the upload) to the runtime: it is built
+    right before that reply is metered and validated, after the earlier replies were validated; what it
+    builds counts as if returned directly, an exception included."""
+    events: list[str] = []
+
+    class LazyPool(EchoPool):
+        def handle_batch(self, msgs):
+            def build(cid, m):
+                events.append(f"build {cid}")
+                return (
+                    ValidationError("seal failed")
+                    if cid == "c2"
+                    else Pong(m.round, np.asarray(m.payload) * 2)
+                )
+
+            return {cid: Deferred(lambda cid=cid, m=m: build(cid, m)) for cid, m in msgs.items()}
+
+    pool = LazyPool(4)
+    rt = SimulationRuntime(pool, rng=np.random.default_rng(0))
+    ping = Ping(1, np.arange(3, dtype=np.float32))
+    replies = _run(
+        rt.request(
+            dict.fromkeys(pool.ids, ping),
+            phase="p",
+            min_replies=3,
+            timeout=1.0,
+            expected=Pong,
+            validate=lambda cid, msg: events.append(f"validate {cid}"),
+        )
+    )
+    assert list(replies) == ["c0", "c1", "c3"]
+    assert events == [
+        "build c0",
+        "validate c0",
+        "build c1",
+        "validate c1",
+        "build c2",
+        "build c3",
+        "validate c3",
+    ]
+    np.testing.assert_array_equal(replies["c3"].value, [0, 2, 4])
+    assert [d.client for d in rt.stats().dropouts] == ["c2"]

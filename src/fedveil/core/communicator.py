@@ -21,6 +21,17 @@ Validator = Callable[[ClientId, Message], None]
 
 
 @dataclass(frozen=True)
+class Deferred:
+    """A reply whose last step a simulated client pool leaves until the runtime takes the reply up:
+    ``build()`` returns the reply (a message, ``bytes`` or the exception the client raised). The
+    simulation runtime takes replies up one by one, each right before it is metered and validated, so
+    a server that acts on each valid reply as it comes (FDML's step 9 stream) works while later clients
+    are still finishing theirs, as on a real network, where every device seals its own upload."""
+
+    build: Callable[[], object]
+
+
+@dataclass(frozen=True)
 class Dropout:
     """One reply that did not count: who, in which phase, and why (``failed``, ``late``, or the
     validation error's message)."""

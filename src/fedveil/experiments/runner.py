@@ -137,11 +137,17 @@ def _models(cfg: ExperimentConfig, num_users: int) -> tuple[FlatModel, FlatModel
 
 
 def build_clients(
-    cfg: ExperimentConfig, population: Any, *, sessions: dict[str, EnclaveClientSession] | None = None
+    cfg: ExperimentConfig,
+    population: Any,
+    *,
+    sessions: dict[str, EnclaveClientSession] | None = None,
+    defer_uploads: bool = False,
 ) -> Any:
     """The device side of ``cfg.protocol`` for ``population``: the client pool the simulation runs
     in-process and a device agent hosts (the same code either way). ``sessions`` are the devices'
-    attested enclave sessions (FDML through the emulated TEE)."""
+    attested enclave sessions (FDML through the emulated TEE); ``defer_uploads``: FDML devices seal
+    their gradients as the simulation runtime takes each upload (:class:`~fedveil.core.communicator.
+    Deferred`), not all before the first."""
     ids = population.train_user_ids()
     attributes = {uid: dict(population.train.user(uid).attributes) for uid in ids}
     _, model = _models(cfg, len(ids))
@@ -152,7 +158,7 @@ def build_clients(
         "input_shape": input_shape(cfg),
     }
     if cfg.protocol == "fdml":
-        return FDMLClients(population, model, sessions=sessions, **common)
+        return FDMLClients(population, model, sessions=sessions, defer_uploads=defer_uploads, **common)
     return FedAvgClients(population, model, **common)
 
 
@@ -222,7 +228,7 @@ def build_trainer(
             key = platform.public_key if platform is not None and host is not None else b""
             pool = ray.pool(functools.partial(shard_clients, cfg, key, digest), ids)
         else:
-            pool = build_clients(cfg, population, sessions=sessions)
+            pool = build_clients(cfg, population, sessions=sessions, defer_uploads=True)
         runtime = SimulationRuntime(
             pool,
             rng=runtime_rng,

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.func import grad, vmap
 
-from fedveil.core.communicator import ClientId, Communicator
+from fedveil.core.communicator import ClientId, Communicator, Deferred
 from fedveil.enclave.aggregate import aggregate_gradients
 from fedveil.enclave.channel import sealed_vector_bytes
 from fedveil.enclave.dp import private_derivatives
@@ -464,8 +464,10 @@ class FDMLClients:
         batched: bool = True,
         input_shape: Sequence[int] = (1, 30, 10),
         sessions: Mapping[ClientId, Any] | None = None,
+        defer_uploads: bool = False,
     ) -> None:
         self.sessions = dict(sessions) if sessions is not None else None
+        self.defer_uploads = defer_uploads
         self.data = data
         self.flat = flat
         self.attributes = attributes
@@ -611,12 +613,16 @@ class FDMLClients:
                     m.round, m.attempt, count, np.concatenate(g) if isinstance(g, tuple) else g
                 )
             else:
-                out[cid] = self._sealed(
-                    cid,
-                    lambda s, m=m, g=g, count=count: SealedGradReply(
-                        m.round, m.attempt, count, s.seal_gradient(m.round, g, attempt=m.attempt)
-                    ),
-                )
+
+                def upload(cid: ClientId = cid, m: Any = m, g: Any = g, count: int = count) -> object:
+                    return self._sealed(
+                        cid,
+                        lambda s: SealedGradReply(
+                            m.round, m.attempt, count, s.seal_gradient(m.round, g, attempt=m.attempt)
+                        ),
+                    )
+
+                out[cid] = Deferred(upload) if self.defer_uploads else upload()
         return out
 
     def _open_derivatives(self, cid: ClientId, msg: Any) -> np.ndarray | Exception:

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from fedveil.core import codec
-from fedveil.core.communicator import ClientId, CommStats, Dropout, Message, Validator
+from fedveil.core.communicator import ClientId, CommStats, Deferred, Dropout, Message, Validator
 from fedveil.errors import CodecError, ConfigError, ValidationError
 
 log = logging.getLogger(__name__)
@@ -86,16 +86,17 @@ class ClientPool(Protocol):
     """The client side of a simulation: many clients' message handlers.
 
     ``handle_batch`` receives the decoded messages for several clients of one phase and returns,
-    per client, its reply (a message, or raw ``bytes`` for a client that speaks the wire directly)
-    or the exception it raised. A pool may compute the clients' work together (one forward pass for
-    the cohort), behind a test that shows the result equals the client-by-client path.
+    per client, its reply (a message, or raw ``bytes`` for a client that speaks the wire directly),
+    the exception it raised, or a :class:`Deferred` reply. A pool may compute the clients' work
+    together (one forward pass for the cohort), behind a test that shows the result equals the
+    client-by-client path.
     """
 
     def client_ids(self) -> Sequence[ClientId]: ...
 
     def handle_batch(
         self, msgs: Mapping[ClientId, Message]
-    ) -> dict[ClientId, Message | bytes | Exception]: ...
+    ) -> dict[ClientId, Message | bytes | Exception | Deferred]: ...
 
 
 class SimulationRuntime:
@@ -155,11 +156,13 @@ class SimulationRuntime:
     def _receive_up(
         self,
         cid: ClientId,
-        reply: Message | bytes | Exception,
+        reply: Message | bytes | Exception | Deferred,
         expected: type | tuple[type, ...],
         validate: Validator | None,
     ) -> Message:
         """Meter, decode and validate one reply; raises ``CodecError``/``ValidationError``."""
+        if isinstance(reply, Deferred):
+            reply = reply.build()
         if isinstance(reply, Exception):
             raise ValidationError(f"client raised {type(reply).__name__}: {reply}")
         data = reply if isinstance(reply, (bytes, bytearray, memoryview)) else codec.encode(reply)
