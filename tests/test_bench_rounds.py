@@ -63,6 +63,7 @@ def test_bench_rounds_json(capsys) -> None:
         "device_sealing",
         "enclave_step5_alg1",
         "enclave_step9_eq2",
+        "enclave_step9_stream",
     ):
         assert prof[phase] > 0, phase
 

@@ -124,8 +124,11 @@ def _stats_minus(after: Any, before: Any) -> Any:
 
 
 #: Phases of a round and the functions whose cumulative time makes each (``(module suffix, name)``);
-#: a phase's own time excludes the phases nested in it (sealing inside the device phases, the codec
-#: inside the runtime).
+#: a phase's own time excludes the phases nested in it (the embeddings' sealing inside the forward
+#: phase, the derivatives' opening inside the backward phase, the codec inside the runtime). Gradients
+#: are sealed as the runtime takes each upload (a ``Deferred`` reply), outside the backward phase, and
+#: each valid upload goes into step 9's stream then (``enclave_step9_stream``: writing the requests into
+#: the shared region); ``enclave_step9_eq2`` is the wait for the requests still running after the last.
 PHASES: dict[str, tuple[tuple[str, str], ...]] = {
     "device_forward": (("protocols/fdml.py", "_embed"),),
     "device_backward": (("protocols/fdml.py", "_backprop"),),
@@ -136,6 +139,7 @@ PHASES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "enclave_step5_alg1": (("protocols/fdml.py", "step_five"),),
     "enclave_step9_eq2": (("protocols/fdml.py", "step_nine"),),
+    "enclave_step9_stream": (("runtime/enclave_host.py", "add"),),
     "adam": (("torch/optim/adam.py", "step"),),
     "codec": (("core/codec.py", "encode"), ("core/codec.py", "decode")),
 }
@@ -172,10 +176,11 @@ async def _profile_rounds(trainer: Any, first: int, rounds: int) -> dict[str, fl
     sealing = raw["device_sealing"]
     out = {
         "device_forward": raw["device_forward"] - cumulative(PHASES["device_sealing"][:1]),
-        "device_backward": raw["device_backward"] - cumulative(PHASES["device_sealing"][1:]),
+        "device_backward": raw["device_backward"] - cumulative(PHASES["device_sealing"][2:]),
         "device_sealing": sealing,
         "enclave_step5_alg1": raw["enclave_step5_alg1"],
         "enclave_step9_eq2": raw["enclave_step9_eq2"],
+        "enclave_step9_stream": raw["enclave_step9_stream"],
         "adam": raw["adam"],
         "codec": raw["codec"],
     }
