@@ -55,6 +55,14 @@ def test_ppfl_memory_table(capsys) -> None:
     assert [r["units"] for r in rows] == [[0], [1], [2], [3]]
     assert all(0.7 <= r["measured"] / r["total"] <= 1.25 for r in rows[:3])  # the conv stages
     assert abs(rows[3]["measured"] - rows[3]["total"]) <= 64 * 2**10  # one FC layer: fixed temporaries
+    # VGG9's first stage: a classifier on the unpooled map, or pooled to the last conv layer's input size
+    first = {}
+    for pool in ("none", "avg"):
+        argv = ["ppfl", "memory", "--model", "vgg9", "--classifier-pool", pool, "--json"]
+        assert main(argv) == 0
+        first[pool] = json.loads(capsys.readouterr().out)[0]
+    assert first["avg"]["parameters"] * 5 < first["none"]["parameters"]
+    assert 0.7 <= first["avg"]["measured"] / first["avg"]["total"] <= 1.25
 
 
 def test_config_errors_name_the_setting(tmp_path: Path, capsys) -> None:
@@ -64,6 +72,9 @@ def test_config_errors_name_the_setting(tmp_path: Path, capsys) -> None:
         load_ppfl_run(bad)
     bad.write_text(TINY.replace("lr: 0.05", "lr: 0.05\n  block: 2"))
     with pytest.raises(ConfigError, match=r"unknown ppfl settings \['block'\]"):
+        load_ppfl_run(bad)
+    bad.write_text(TINY.replace("lr: 0.05", "lr: 0.05\n  classifier_pool: median"))
+    with pytest.raises(ConfigError, match="classifier_pool 'median' is not one of none, avg, max"):
         load_ppfl_run(bad)
     bad.write_text(TINY.replace("tee_mib: [64]", "tee_mib: [0]"))
     with pytest.raises(ConfigError, match="tee_mib"):

@@ -80,6 +80,33 @@ def test_each_stage_classifier_is_the_last_conv_and_fc_layers(name: str) -> None
         assert layers + count_parameters(last.classifier) == count_parameters(model)
 
 
+@pytest.mark.parametrize("pool", ["avg", "max"])
+def test_a_pooled_stage_classifier_has_the_model_s_own_fc_shapes(pool: str) -> None:
+    """``classifier_pool``: an early stage's output is pooled to the size the last conv layer sees, so
+    VGG9's first-stage classifier holds the model's FC shapes (2.3 M values), not a 65,536-input FC
+    layer (33.6 M); stages whose output already has that size get no pooling."""
+    model = build_model("vgg9", num_classes=10, in_channels=3, image_size=32)
+    fc_in = next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).in_features
+    kind = torch.nn.AdaptiveAvgPool2d if pool == "avg" else torch.nn.AdaptiveMaxPool2d
+    plain = stage_net(model, plan_stages(model)[0])
+    assert next(m for m in plain.classifier.modules() if isinstance(m, torch.nn.Linear)).in_features == 65_536
+    stages = plan_stages(model, classifier_pool=pool)
+    pooled = [isinstance(stage_net(model, s).classifier[0], kind) for s in stages[:-1]]
+    # stage outputs 32, 16 and 16 pixels wide are pooled to the 8 x 8 the last conv layer sees; the
+    # fourth and fifth stages already give 8 x 8, and the sixth is that last conv layer
+    assert pooled == [True, True, True, False, False, False]
+    for stage in stages:
+        net = stage_net(model, stage)
+        assert net(torch.zeros(2, *stage_input_shape(model, stage))).shape == (2, 10)
+        linears = [m for m in net.classifier.modules() if isinstance(m, torch.nn.Linear)]
+        assert not linears or linears[0].in_features == fc_in
+    assert count_parameters(stage_net(model, stages[0]).classifier) < 2.5e6
+    with pytest.raises(ConfigError, match="'median' is not one of none, avg, max"):
+        plan_stages(model, classifier_pool="median")
+    with pytest.raises(ConfigError, match=r"ppfl\.classifier_pool 'median'"):
+        PpflConfig(classifier_pool="median")
+
+
 def test_enclave_initialisation_follows_pytorch_defaults() -> None:
     net = stage_net(_model(), plan_stages(_model())[0])
     specs = param_specs(net)
@@ -95,11 +122,12 @@ def test_enclave_initialisation_follows_pytorch_defaults() -> None:
 def test_tee_memory_model_matches_measured_peak() -> None:
     """S_l (parameters, gradients, optimizer state, activations) against the measured peak of the same
     training steps (every tensor storage alive during them): within 5% for LeNet, and measured /
-    predicted in [0.7, 1.25] for AlexNet's activation-heavy stages (the model's stated tolerance)."""
+    predicted in [0.7, 1.25] for AlexNet's activation-heavy stages and VGG9's (with pooled stage
+    classifiers), the model's stated tolerance."""
     cfg = PpflConfig()
-    for name, side, channels in [("lenet", 28, 1), ("alexnet", 16, 3)]:
+    for name, side, channels in [("lenet", 28, 1), ("alexnet", 16, 3), ("vgg9", 16, 3)]:
         model = _model(name, side, channels)
-        for stage in plan_stages(model):
+        for stage in plan_stages(model, classifier_pool="avg" if name == "vgg9" else "none"):
             net = stage_net(model, stage)
             shape = stage_input_shape(model, stage)
             predicted = tee_memory(net, shape, 16, cfg.optimizer()).total
@@ -131,9 +159,10 @@ def _run(
     boundary: str = "inprocess",
     memory_limit_bytes: int | None = None,
     public: torch.nn.Module | None = None,
+    model: Any = None,
 ) -> tuple[PpflServer, PpflClients, SimulationRuntime]:
     data = _data()
-    model = _model()
+    model = model or _model()
     platform = SimulatedPlatform.generate()
     config = None if memory_limit_bytes is None else EnclaveConfig(memory_limit_bytes=memory_limit_bytes)
     host = EnclaveHost.start(config, platform=platform, boundary=boundary)
@@ -146,6 +175,7 @@ def _run(
         seed=0,
         block_size=cfg.block_size,
         train_last=cfg.train_last,
+        classifier_pool=cfg.classifier_pool,
         sessions=sessions,
         tee_bytes=sizes,
         evaluators=["eval"],
@@ -182,6 +212,19 @@ def test_a_whole_run_trains_every_layer_and_reports_per_round() -> None:
     # every device froze both conv layers and the FC part the final stage trained
     model = pool.trained_model("c0")
     assert count_parameters(model) == count_parameters(_model())
+
+
+def test_vgg9_trains_stage_by_stage_with_pooled_classifiers() -> None:
+    """VGG9 (8 x 8 inputs) through the whole protocol with ``classifier_pool: avg``: each of its six conv
+    stages trains under a classifier of the model's own FC shapes, the final stage trains those FC
+    units, and every device ends with exactly the target architecture."""
+    model = _model("vgg9")
+    cfg = replace(SMALL, rounds_per_stage=2, local_epochs=1, classifier_pool="avg")
+    server, pool, _ = _run(cfg, model=model)
+    assert [r.stage for r in server.reports] == list(range(7))
+    assert all(line["applied"] for r in server.reports for line in r.rounds)
+    assert count_parameters(pool.trained_model("c0")) == count_parameters(_model("vgg9"))
+    assert 0 <= server.reports[-1].rounds[-1]["accuracy"] <= 1
 
 
 class _SpyTees:

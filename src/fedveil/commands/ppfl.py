@@ -121,6 +121,12 @@ def register(subparsers: Any) -> None:
     )
     m.add_argument("--batch-size", type=int, default=16, help="batch size (default 16, PPFL Sec. 6.2)")
     m.add_argument("--block-size", type=int, default=1, help="layers per stage (default 1)")
+    m.add_argument(
+        "--classifier-pool",
+        default="none",
+        choices=("none", "avg", "max"),
+        help="pool a stage's output to the last conv layer's input size first (default none)",
+    )
     m.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -140,7 +146,7 @@ def _memory(args: argparse.Namespace) -> int:
     model = build_model(args.model, num_classes=10, in_channels=channels, image_size=side)
     opt = PpflConfig().optimizer()
     rows = []
-    for stage in plan_stages(model, args.block_size):
+    for stage in plan_stages(model, args.block_size, classifier_pool=args.classifier_pool):
         net, shape = stage_net(model, stage), stage_input_shape(model, stage)
         row = tee_memory(net, shape, args.batch_size, opt, stage=stage.index).as_dict()
         row["units"] = list(stage.units)

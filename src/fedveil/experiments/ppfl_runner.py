@@ -428,6 +428,7 @@ def train_ppfl(
             block_size=cfg.block_size,
             train_last=cfg.train_last,
             classifier_stage=cfg.classifier_stage,
+            classifier_pool=cfg.classifier_pool,
             sessions=sessions,
             tee_bytes=tee,
             evaluators=[EVALUATOR],

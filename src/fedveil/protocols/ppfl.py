@@ -112,12 +112,23 @@ class Stage:
     """Stage ``index`` trains the model's layer units ``units`` (a block; one unit by default) with a
     classifier atop them; ``last`` when its classifier is the model's own FC units. A transfer stage
     (``classifier`` false, :func:`plan_transfer`) trains the model's last units themselves, with no
-    classifier of its own."""
+    classifier of its own. ``pool``: how the classifier's input is brought to the spatial size the
+    model's last convolution sees (:data:`CLASSIFIER_POOLS`, :func:`stage_net`)."""
 
     index: int
     units: tuple[int, ...]
     last: bool
     classifier: bool = True
+    pool: str = "none"
+
+
+CLASSIFIER_POOLS = ("none", "avg", "max")
+"""How a conv stage's classifier takes the stage's output. ``none``: as it is, so an early stage's
+classifier (the model's last conv unit and FC units, PPFL Sec. 6.2) flattens a full-resolution map into
+its first FC layer: VGG9's first stage then carries a 65,536 x 512 layer (33.6 M values), more than a
+96 MiB enclave holds. ``avg`` / ``max``: adaptive average or max pooling first, to the spatial size of
+the last conv unit's input, so every stage's classifier has exactly the model's FC shapes (no parameters
+added)."""
 
 
 def _has(module: nn.Module, kind: type) -> bool:
@@ -140,9 +151,14 @@ def conv_units(model: LayerwiseNet) -> int:
     return count
 
 
-def plan_stages(model: LayerwiseNet, block_size: int = 1, *, classifier_stage: bool = True) -> list[Stage]:
+def plan_stages(
+    model: LayerwiseNet, block_size: int = 1, *, classifier_stage: bool = True, classifier_pool: str = "none"
+) -> list[Stage]:
     """The stages of PPFL on ``model``: its convolutional units in blocks of ``block_size`` (Sec. 6.5),
-    then (``classifier_stage``) the model's FC units atop them (module docstring)."""
+    then (``classifier_stage``) the model's FC units atop them (module docstring); ``classifier_pool``
+    (:data:`CLASSIFIER_POOLS`) for the conv stages' classifiers."""
+    if classifier_pool not in CLASSIFIER_POOLS:
+        raise ConfigError(f"classifier pool {classifier_pool!r} is not one of {', '.join(CLASSIFIER_POOLS)}")
     if _has(model, nn.modules.batchnorm._BatchNorm):
         raise ConfigError(
             f"{type(model).__name__} has BatchNorm layers; PPFL here trains networks without them (their "
@@ -157,7 +173,10 @@ def plan_stages(model: LayerwiseNet, block_size: int = 1, *, classifier_stage: b
     starts = list(range(0, count, block_size))
     stages = [
         Stage(
-            i, tuple(range(s, min(s + block_size, count))), not classifier_stage and s + block_size >= count
+            i,
+            tuple(range(s, min(s + block_size, count))),
+            not classifier_stage and s + block_size >= count,
+            pool=classifier_pool,
         )
         for i, s in enumerate(starts)
     ]
@@ -168,13 +187,18 @@ def plan_stages(model: LayerwiseNet, block_size: int = 1, *, classifier_stage: b
 
 
 def plan(
-    model: LayerwiseNet, *, block_size: int = 1, train_last: int | None = None, classifier_stage: bool = True
+    model: LayerwiseNet,
+    *,
+    block_size: int = 1,
+    train_last: int | None = None,
+    classifier_stage: bool = True,
+    classifier_pool: str = "none",
 ) -> list[Stage]:
     """The stages both sides derive from the settings: layer-wise (:func:`plan_stages`) or, with
     ``train_last``, the one transfer stage (:func:`plan_transfer`)."""
     if train_last is not None:
         return plan_transfer(model, train_last)
-    return plan_stages(model, block_size, classifier_stage=classifier_stage)
+    return plan_stages(model, block_size, classifier_stage=classifier_stage, classifier_pool=classifier_pool)
 
 
 def kept_on_release(stage: Stage, net: StageNet, *, final: bool, keep_in_tee: bool) -> int:
@@ -257,6 +281,12 @@ def stage_net(model: LayerwiseNet, stage: Stage) -> StageNet:
     if stage.units[-1] == count - 1:
         return StageNet(layers, nn.Sequential(*heads))
     out_shape = _shape_after(units[: stage.units[-1] + 1], model.input_shape)
+    pooling: list[nn.Module] = []
+    side = _shape_after(units[: count - 1], model.input_shape)[1:]
+    if stage.pool != "none" and out_shape[1:] != side:
+        pool = nn.AdaptiveAvgPool2d if stage.pool == "avg" else nn.AdaptiveMaxPool2d
+        pooling.append(pool(side))
+        out_shape = (out_shape[0], *side)
     conv = copy.deepcopy(units[count - 1])
     _replace_first(
         conv,
@@ -274,7 +304,7 @@ def stage_net(model: LayerwiseNet, stage: Stage) -> StageNet:
     )
     features = math.prod(_shape_after([conv], out_shape))
     _replace_first(heads[0], nn.Linear, lambda f: nn.Linear(features, f.out_features, f.bias is not None))
-    return StageNet(layers, nn.Sequential(conv, *heads))
+    return StageNet(layers, nn.Sequential(*pooling, conv, *heads))
 
 
 def param_specs(net: nn.Module) -> list[ParamSpec]:
@@ -505,6 +535,7 @@ class PpflClients:
         block_size: int = 1,
         train_last: int | None = None,
         classifier_stage: bool = True,
+        classifier_pool: str = "none",
         sessions: Mapping[ClientId, EnclaveClientSession],
         tee_bytes: Mapping[ClientId, int] | None = None,
         evaluators: Sequence[ClientId] = (),
@@ -517,7 +548,11 @@ class PpflClients:
         self.data = data
         self.optimizer = optimizer
         self.stages = plan(
-            model, block_size=block_size, train_last=train_last, classifier_stage=classifier_stage
+            model,
+            block_size=block_size,
+            train_last=train_last,
+            classifier_stage=classifier_stage,
+            classifier_pool=classifier_pool,
         )
         self.evaluators = set(evaluators)
         unknown = self.evaluators - set(data.user_ids)
@@ -772,7 +807,8 @@ class PpflConfig:
     0.99 after each epoch, momentum 0.5, batch 16, all 16 MiB TEEs, and a final stage for the classifier
     (``classifier_stage``). ``block_size``: conv layers per stage (Sec. 6.5); ``train_last``: transfer of
     public knowledge, one stage training the model's last units (Sec. 4.3; the server needs a public
-    model); ``keep_classifier_in_tee``: the final stage's values stay in the TEEs (Sec. 4.1)."""
+    model); ``keep_classifier_in_tee``: the final stage's values stay in the TEEs (Sec. 4.1);
+    ``classifier_pool``: how a conv stage's classifier takes its input (:data:`CLASSIFIER_POOLS`)."""
 
     rounds_per_stage: int = 10
     clients_per_round: int | None = None
@@ -784,6 +820,7 @@ class PpflConfig:
     block_size: int = 1
     train_last: int | None = None
     classifier_stage: bool = True
+    classifier_pool: str = "none"
     keep_classifier_in_tee: bool = False
     target_accuracy: float | None = None
     patience: int | None = None
@@ -813,6 +850,10 @@ class PpflConfig:
             raise ConfigError(
                 f"ppfl.clients_per_round {self.clients_per_round!r} must be >= 1 (or null: all)"
             )
+        if self.classifier_pool not in CLASSIFIER_POOLS:
+            raise ConfigError(
+                f"ppfl.classifier_pool {self.classifier_pool!r} is not one of {', '.join(CLASSIFIER_POOLS)}"
+            )
         if not 0 < self.epoch_decay <= 1:
             raise ConfigError(f"ppfl.epoch_decay {self.epoch_decay!r} must lie in (0, 1]")
         if self.train_last is not None and self.keep_classifier_in_tee:
@@ -838,6 +879,7 @@ class PpflConfig:
             block_size=self.block_size,
             train_last=self.train_last,
             classifier_stage=self.classifier_stage,
+            classifier_pool=self.classifier_pool,
         )
 
 
