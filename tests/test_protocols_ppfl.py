@@ -450,6 +450,40 @@ def test_layerwise_state_averages_and_releases() -> None:
     assert state.kept is not None and state.kept.tolist() == [4.5]
 
 
+@pytest.mark.parametrize("boundary", ["inprocess", "process"])
+def test_a_layer_too_large_to_seal_to_every_client_at_once_goes_in_several_requests(boundary: str) -> None:
+    """Sealing a 1 MiB layer to 12 clients needs about 14 MiB at once; an 8 MiB enclave refuses that
+    before sealing anything, so the host halves the request until it fits (12, 6, then 3 clients) and
+    starts the next broadcast of the layer there. Every client gets a record that opens to the layer."""
+    platform = SimulatedPlatform.generate()
+    host = EnclaveHost.start(
+        EnclaveConfig(memory_limit_bytes=8 * 2**20), platform=platform, boundary=boundary
+    )
+    ids = [f"c{i}" for i in range(12)]
+    sessions = device_sessions(ids, platform.public_key, host.measurement)
+    for cid in ids:
+        sessions[cid].establish(host.open_session(sessions[cid].hello()))
+    sizes: list[int] = []
+    original = host._call
+
+    def call(header: Any, blobs: Any) -> Any:
+        if header["op"] == "layer_broadcast":
+            sizes.append(len(header["clients"]))
+        return original(header, blobs)
+
+    host._call = call  # type: ignore[method-assign]
+    try:
+        assert host.layer_begin(0, [ParamSpec((2**18,), "uniform", 0.1)], 7) == 2**18
+        first = host.layer_broadcast(1, 0, ids)
+        second = host.layer_broadcast(2, 0, ids)
+    finally:
+        host.close()
+    assert sizes == [12, 6, 3, 3, 3, 3, 3, 3, 3, 3], sizes  # refused, refused, four requests; then four
+    values = {cid: sessions[cid].open_model(1, first[cid]) for cid in ids}
+    assert all(np.array_equal(v, values["c0"]) and v.size == 2**18 for v in values.values())
+    assert all(sessions[cid].open_model(2, second[cid]).size == 2**18 for cid in ids)
+
+
 def test_enclave_refuses_bad_layer_requests() -> None:
     """The enclave's PPFL operations validate every request and name what is wrong."""
     from fedveil.errors import CodecError

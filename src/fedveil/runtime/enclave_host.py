@@ -444,6 +444,7 @@ class EnclaveHost:
         self.config = config
         self._tap = tap
         self._sessions: set[str] = set()
+        self._broadcast_sizes: dict[tuple[int, bool], int] = {}  # clients per layer_broadcast that fit
 
     @classmethod
     def start(
@@ -587,12 +588,36 @@ class EnclaveHost:
         self, rnd: int, stage: int, clients: Sequence[str], *, kept: bool = False
     ) -> dict[str, bytes]:
         """The layer in training (or, with ``kept``, the tail kept inside after it) sealed to each of
-        ``clients`` for round ``rnd``: one opaque ``model`` record per client."""
+        ``clients`` for round ``rnd``: one opaque ``model`` record per client.
+
+        The enclave holds every record of a request at once, so a large layer goes to many clients in
+        several requests: when the enclave refuses a request for memory (before it seals anything),
+        the request is halved, and later broadcasts of the same layer start from the size that fit.
+        Each client's record is the same either way (sealed under its own session)."""
         names = [check_client_id(c) for c in clients]
-        head, out = self._call(
-            {"op": "layer_broadcast", "round": rnd, "stage": stage, "clients": names, "kept": kept}, []
-        )
-        return {c: bytes(b) for c, b in zip(head["clients"], out, strict=True)}
+
+        def call(batch: list[str]) -> tuple[dict[str, Any], list[memoryview]]:
+            header = {"op": "layer_broadcast", "round": rnd, "stage": stage, "clients": batch, "kept": kept}
+            return self._call(header, [])
+
+        if not names:
+            call([])  # the enclave still checks the stage
+            return {}
+        key = (stage, kept)
+        size = min(self._broadcast_sizes.get(key, len(names)), len(names))
+        records: dict[str, bytes] = {}
+        at = 0
+        while at < len(names):
+            try:
+                head, out = call(names[at : at + size])
+            except EnclaveMemoryError:
+                if size == 1:
+                    raise
+                size = self._broadcast_sizes[key] = size // 2
+                continue
+            records.update((c, bytes(b)) for c, b in zip(head["clients"], out, strict=True))
+            at += size
+        return records
 
     def layer_aggregate(
         self,
