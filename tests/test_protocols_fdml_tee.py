@@ -192,3 +192,34 @@ def test_a_stream_that_missed_a_kept_reply_falls_back_to_the_direct_call(
     weights, reports = _train(cfg, toy_population, 2)
     assert aborted == [1, 1] and all(r.applied for r in reports)
     np.testing.assert_array_equal(weights, reference[0])
+
+
+def test_a_gradient_phase_that_fails_midway_leaves_the_enclave_channel_in_step(toy_population) -> None:
+    """If the gradient phase raises after some uploads went into step 9's stream, the replies the enclave
+    owes are collected before the error propagates, so the next round talks to the enclave as usual."""
+    cfg = load_config(None, [*SMALL, "enclave.boundary=process", "enclave.memory_limit_mib=20"])
+    privacy = plan_privacy(cfg, toy_population, EMBEDDING_DIM)
+    trainer = build_trainer(cfg, toy_population, privacy.release if privacy else None)
+    real = trainer.runtime.request
+
+    async def request(msgs, *, phase, **kwargs):
+        replies = await real(msgs, phase=phase, **kwargs)
+        if phase == "grad" and not failed:
+            failed.append(len(replies))
+            raise ConnectionError("the network went away after the uploads")
+        return replies
+
+    failed: list[int] = []
+    trainer.runtime.request = request
+    try:
+
+        async def go():
+            await trainer.server.register(trainer.runtime)
+            with pytest.raises(ConnectionError, match="went away"):
+                await trainer.server.run_round(1, trainer.runtime)
+            return await trainer.server.run_round(2, trainer.runtime)
+
+        report = asyncio.run(go())
+    finally:
+        trainer.close()
+    assert failed == [4] and report.applied

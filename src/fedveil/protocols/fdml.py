@@ -14,6 +14,7 @@ more than two participants are on schedule, ``min_gradients = 3``), ``"abandon"`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -408,14 +409,22 @@ class FDMLServer:
             if stream is not None and len(msg.record) <= stream.largest:
                 stream.add(cid, msg.record, msg.num_samples)
 
-        grads = await comm.request(
-            five.requests,
-            phase="grad",
-            min_replies=min(cfg.num_gradients, len(five.requests)),
-            timeout=cfg.t_grad,
-            expected=self.enclave.grad_reply,
-            validate=check_grad,
-        )
+        try:
+            grads = await comm.request(
+                five.requests,
+                phase="grad",
+                min_replies=min(cfg.num_gradients, len(five.requests)),
+                timeout=cfg.t_grad,
+                expected=self.enclave.grad_reply,
+                validate=check_grad,
+            )
+        except BaseException:
+            if stream is not None:
+                # collect what the enclave owes for the requests already submitted, so the host's
+                # channel to it stays in step; the gradient phase's own error is the one to report
+                with contextlib.suppress(Exception):
+                    stream.abort()
+            raise
         missing = len(embeds) - len(grads)
         applied = len(grads) >= cfg.min_gradients and not (cfg.on_missing_gradients == "abandon" and missing)
         rejected = dict(five.rejected)

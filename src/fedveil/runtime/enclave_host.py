@@ -445,6 +445,7 @@ class EnclaveHost:
         self._tap = tap
         self._sessions: set[str] = set()
         self._broadcast_sizes: dict[tuple[int, bool], int] = {}  # clients per layer_broadcast that fit
+        self._outstanding = 0  # requests submitted whose replies are not collected yet
 
     @classmethod
     def start(
@@ -489,6 +490,11 @@ class EnclaveHost:
         self.close()
 
     def _call(self, header: Mapping[str, Any], blobs: list[bytes]) -> tuple[dict[str, Any], list[memoryview]]:
+        if self._outstanding:
+            raise EnclaveProcessError(
+                f"{header['op']}: {self._outstanding} submitted request(s) still owe a reply (a step-9 "
+                "stream left open): finish or abort it first"
+            )
         self._submit(header, blobs)
         return self._collect(str(header["op"]))
 
@@ -497,8 +503,10 @@ class EnclaveHost:
         if self._tap is not None:
             self._tap("to_enclave", b"".join(parts))
         self._transport.submit(*parts)
+        self._outstanding += 1
 
     def _collect(self, op: str) -> tuple[dict[str, Any], list[memoryview]]:
+        self._outstanding -= 1
         reply = self._transport.collect()
         if self._tap is not None:
             self._tap("from_enclave", reply)
