@@ -1,13 +1,13 @@
 """Seconds per FDML round and the host's wait on the enclave's steps 5 and 9, block by block as training goes.
 
-``python benchmarks/fdml_steps.py [--blocks 8] [--rounds 10] [--set KEY=VALUE ...]`` trains the paper's
-TouchAuth setting (64 participants x 8 samples, enclave in its own process, two torch threads) and prints,
-for each block of ``--rounds`` rounds: seconds per round, the median time of the host's call into the
-enclave for step 5 (``EnclaveHost.loss_and_derivatives``: the records' opening, Alg. 1, the derivatives'
-sealing, and the pipe) and for step 9 (``EnclaveHost.aggregate``: the gradients through the shared region,
-their opening and Eq. 2; where the round streams its gradients into the enclave as they arrive,
-``AggregateStream.finish``: the wait for the requests still running and the final one), and the median
-number of active triplets.
+``python benchmarks/fdml_steps.py [--blocks 8] [--rounds 10] [--threads 2] [--set KEY=VALUE ...]`` trains
+the paper's TouchAuth setting (64 participants x 8 samples, enclave in its own process, two torch threads
+by default) and prints, for each block of ``--rounds`` rounds: seconds per round, the median time of the
+host's call into the enclave for step 5 (``EnclaveHost.loss_and_derivatives``: the records' opening,
+Alg. 1, the derivatives' sealing, and the pipe) and for step 9 (``EnclaveHost.aggregate``: the gradients
+through the shared region, their opening and Eq. 2; where the round streams its gradients into the enclave
+as they arrive, ``AggregateStream.finish``: the wait for the requests still running and the final one),
+and the median number of active triplets.
 
 Alg. 1's cost depends on the embeddings: from the initial model every valid triplet is active; after
 some 30-50 rounds part of them fall inactive and step 5 settles at its long-run cost, which is why
@@ -50,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=8, help="blocks of rounds (default 8)")
     parser.add_argument("--rounds", type=int, default=10, help="rounds per block (default 10)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the host (default 2)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     calls: dict[str, list[float]] = {}
@@ -58,7 +59,7 @@ def main() -> None:
     _timed(calls, enclave_host.EnclaveHost, "aggregate", "step 9")
     if hasattr(enclave_host, "AggregateStream"):
         _timed(calls, enclave_host.AggregateStream, "finish", "step 9")
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     retain_freed_memory()
     cfg = load_config(None, ["protocol=fdml", "enclave.boundary=process", *args.overrides])
     trainer = build_trainer(cfg, build_population(cfg))

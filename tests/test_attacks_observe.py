@@ -71,7 +71,7 @@ def test_private_head_is_hidden_and_guessed() -> None:
 def test_sealed_uploads_give_sealed_views_and_attacks_refuse_them() -> None:
     flat = FlatModel(Tiny())
     obs = WireObserver(flat, ParameterPlan(flat), Tiny, sealed_types=(SealedGradReply,))
-    obs.tap("from_client", encode(SealedGradReply(3, 0, 8, b"\x01" * 40)))
+    obs.tap("from_client", encode(SealedGradReply(3, 0, 8, np.full(40, 1, np.uint8))))
     obs.tap("from_client", b"not a message")
     (view,) = obs.client_views(3)
     assert isinstance(view, SealedView) and view.num_bytes > 40

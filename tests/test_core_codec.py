@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedveil.core.codec import MAGIC, decode, encode, encoded_size
+from fedveil.core.codec import MAGIC, decode, encode, encode_with_slot, encoded_size
 from fedveil.core.messages import ARRAY_DTYPES, array_field, message
 from fedveil.errors import CodecError
 
@@ -63,6 +63,15 @@ class Constrained:
     ids: np.ndarray = array_field(dtype="int32", ndim=1)
     blob: bytes = b""
     note: str = ""
+
+
+@message("test.codec.slotted")
+@dataclass(frozen=True)
+class Slotted:
+    round: int
+    before: np.ndarray = array_field(dtype="float32", ndim=1)
+    record: np.ndarray = array_field(dtype="uint8", ndim=1)
+    after: bytes = b""
 
 
 @message("test.codec.picky")
@@ -218,6 +227,36 @@ def test_encoding_is_deterministic_aligned_and_sized(msg: Any) -> None:
     assert len(wire) == encoded_size(msg)
     assert len(wire) % 8 == 0
     assert wire[:4] == MAGIC
+
+
+@PROPERTY
+@given(
+    rnd=INT64,
+    before=hnp.arrays(np.float32, st.integers(0, 9), elements=st.floats(-1e3, 1e3, width=32)),
+    record=st.binary(max_size=70),
+    after=st.binary(max_size=20),
+)
+def test_a_slot_written_by_the_caller_gives_the_bytes_of_encode(
+    rnd: int, before: np.ndarray, record: bytes, after: bytes
+) -> None:
+    """``encode_with_slot`` lays the message out and leaves one uint8 field's bytes to the caller
+    (FDML devices seal their gradient straight into it): once written, the buffer is ``encode``'s."""
+    placeholder = np.full(len(record), 0xAB, np.uint8)  # never read: its bytes must not leak through
+    frame, slot = encode_with_slot(Slotted(rnd, before, placeholder, after), "record")
+    assert slot.nbytes == len(record) and slot.flags.writeable
+    slot[:] = np.frombuffer(record, np.uint8)
+    want = encode(Slotted(rnd, before, np.frombuffer(record, np.uint8), after))
+    assert bytes(frame) == want
+    assert decode(frame).record.tobytes() == record
+
+
+def test_encode_with_slot_wants_a_flat_uint8_field() -> None:
+    msg = Slotted(1, np.zeros(2, np.float32), np.zeros(3, np.uint8))
+    for field in ("before", "after", "round", "nothing"):
+        with pytest.raises(CodecError, match=f"test.codec.slotted.{field}: encode_with_slot needs"):
+            encode_with_slot(msg, field)
+    with pytest.raises(CodecError, match="dtype float64"):
+        encode_with_slot(Slotted(1, np.zeros(2), np.zeros(3, np.uint8)), "record")
 
 
 @PROPERTY

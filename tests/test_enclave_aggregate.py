@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedveil.enclave.aggregate import aggregate_gradients
+from fedveil.enclave.aggregate import BLOCK, GradientSum, aggregate_gradients
 from fedveil.errors import ValidationError
 
 
@@ -66,7 +66,7 @@ def test_equals_the_straightforward_float64_sum_bit_for_bit(
     counts: list[int], size: int, dtype: type, seed: int
 ) -> None:
     """The product is written into one reused float64 buffer; the numbers are those of the plain
-    ``sum (|d_i| / |D|) * g_i.astype(float64)``."""
+    ``(sum |d_i| * g_i.astype(float64)) / |D|``."""
     rng = np.random.default_rng(seed)
     gradients = {
         f"c{i}": (rng.normal(0, 10, size) * 10.0 ** rng.uniform(-3, 3)).astype(dtype)
@@ -75,8 +75,55 @@ def test_equals_the_straightforward_float64_sum_bit_for_bit(
     num = {f"c{i}": k for i, k in enumerate(counts)}
     plain = np.zeros(size, np.float64)
     for cid, g in gradients.items():
-        plain += (num[cid] / sum(counts)) * g.astype(np.float64)
-    np.testing.assert_array_equal(aggregate_gradients(gradients, num), plain.astype(np.float32))
+        plain += num[cid] * g.astype(np.float64)
+    np.testing.assert_array_equal(
+        aggregate_gradients(gradients, num), (plain / sum(counts)).astype(np.float32)
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 2**29 - 1), min_size=1, max_size=12),
+    size=st.integers(1, 3 * BLOCK // 2),
+    cuts=st.lists(st.integers(1, 11), max_size=11),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_sum_fed_in_batches_equals_one_call_bit_for_bit(
+    counts: list[int], size: int, cuts: list[int], seed: int
+) -> None:
+    """However the participants are cut into batches (the enclave's step-9 requests), the same
+    participants in the same order give the same bits: every term |d_i| g_i is exact in float64."""
+    rng = np.random.default_rng(seed)
+    gradients = {
+        f"c{i}": (rng.normal(0, 1, size) * 10.0 ** rng.uniform(-30, 30)).astype(np.float32)
+        for i in range(len(counts))
+    }
+    num = {f"c{i}": k for i, k in enumerate(counts)}
+    names = list(gradients)
+    edges = sorted({c for c in cuts if c < len(names)})
+    acc = GradientSum()
+    for lo, hi in zip([0, *edges], [*edges, len(names)], strict=True):
+        acc.add({c: gradients[c] for c in names[lo:hi]}, {c: num[c] for c in names[lo:hi]})
+    assert acc.total == sum(counts) and acc.nbytes == 8 * size
+    np.testing.assert_array_equal(acc.mean(), aggregate_gradients(gradients, num))
+
+
+def test_a_sum_refuses_another_shape_and_use_after_a_non_finite_gradient() -> None:
+    acc = GradientSum()
+    acc.add({"a": np.ones(3, np.float32)}, {"a": 2})
+    with pytest.raises(ValidationError, match=r"shape \(3,\) like the others"):
+        acc.add({"b": np.ones(4, np.float32)}, {"b": 1})
+    with pytest.raises(ValidationError, match="at most"):
+        acc.add({"b": np.ones(3, np.float32)}, {"b": 2**29})
+    np.testing.assert_array_equal(acc.mean(), np.ones(3, np.float32))  # refused batches left it unchanged
+    with pytest.raises(ValidationError, match="'b' holds NaN"):
+        acc.add({"b": np.array([1.0, np.inf, 0.0], np.float32)}, {"b": 1})
+    with pytest.raises(ValidationError, match="unusable"):
+        acc.add({"c": np.ones(3, np.float32)}, {"c": 1})
+    with pytest.raises(ValidationError, match="at least one participant"):
+        acc.mean()
+    with pytest.raises(ValidationError, match="at least one participant"):
+        GradientSum().mean()
 
 
 def test_float64_gradients_accumulate_in_float64() -> None:

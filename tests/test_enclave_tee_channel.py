@@ -29,6 +29,7 @@ from fedveil.enclave.channel import (
     encode_array,
     pack_frame,
     public_bytes,
+    sealed_vector_bytes,
     transcript_hash,
     unpack_frame,
 )
@@ -115,6 +116,10 @@ def test_seal_pieces_is_seal_of_their_concatenation_byte_for_byte(pieces: list[n
     )
     whole = np.concatenate(pieces)
     assert sender.seal_pieces(GRADIENT, 2, 0, pieces) == twin.seal_array(GRADIENT, 2, 0, whole)
+    # sealed into a buffer the caller owns (a message's record slot): the same record, in place
+    out = np.full(sealed_vector_bytes(whole.size), 0xAB, np.uint8)
+    assert sender.seal_pieces(GRADIENT, 3, 0, pieces, out=out) is out
+    assert out.tobytes() == twin.seal_array(GRADIENT, 3, 0, whole)
 
 
 def test_seal_pieces_refuses_what_is_not_flat_float32() -> None:
@@ -123,6 +128,13 @@ def test_seal_pieces_refuses_what_is_not_flat_float32() -> None:
     for pieces in ([], [np.ones((2, 2), np.float32)], [np.ones(3, np.float32), np.ones(3)]):
         with pytest.raises(CodecError, match="1-D float32"):
             sender.seal_pieces(GRADIENT, 0, 0, pieces)
+    size = sealed_vector_bytes(3)
+    for out, why in (
+        (bytearray(size + 1), f"record of {size} bytes .* buffer of {size + 1}"),
+        (memoryview(bytes(size)), "read-only buffer"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            sender.seal_pieces(GRADIENT, 0, 0, [np.ones(3, np.float32)], out=out)
 
 
 def test_non_canonical_frames_are_refused() -> None:

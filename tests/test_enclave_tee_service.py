@@ -150,6 +150,15 @@ def test_aggregation_in_batches_follows_eq_2() -> None:
     total = sum(counts[c] for c in kept)
     eq2 = sum(counts[c] / total * grads[c].astype(np.float64) for c in kept)
     np.testing.assert_allclose(result.gradient, eq2, rtol=1e-5, atol=1e-6)
+    # the cut into requests does not change a bit: the same gradients one, two or as many as fit at a time
+    kept_counts = {c: counts[c] for c in kept}
+    assert np.array_equal(result.gradient, aggregate_gradients({c: grads[c] for c in kept}, kept_counts))
+    for attempt, request_bytes in enumerate((1, 2 * len(sealed["c0"]), 10**9), start=1):
+        resealed = {c: sessions[c].seal_gradient(0, grads[c], attempt=attempt) for c in kept}
+        again = host.aggregate(0, resealed, kept_counts, attempt=attempt, request_bytes=request_bytes)
+        assert np.array_equal(again.gradient, result.gradient) and again.accepted == kept
+        if request_bytes == 1:
+            assert again.batches == len(kept)
     assert result.peak_bytes <= config.memory_limit_bytes
 
 

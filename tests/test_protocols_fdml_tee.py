@@ -66,10 +66,10 @@ class _Spy:
         self.store.append(np.array(embeddings, dtype=np.float32))
         return self.inner.seal_embeddings(rnd, embeddings, attempt=attempt)
 
-    def seal_gradient(self, rnd, gradient, *, attempt=0):
+    def seal_gradient(self, rnd, gradient, *, attempt=0, out=None):
         pieces = gradient if isinstance(gradient, (list, tuple)) else [gradient]
         self.store.append(np.concatenate([np.ravel(p) for p in pieces]).astype(np.float32))
-        return self.inner.seal_gradient(rnd, gradient, attempt=attempt)
+        return self.inner.seal_gradient(rnd, gradient, attempt=attempt, out=out)
 
     def open_derivatives(self, rnd, record, *, attempt=0):
         out = self.inner.open_derivatives(rnd, record, attempt=attempt)
@@ -161,6 +161,27 @@ def test_streamed_step_nine_equals_the_direct_call_over_several_requests(
     assert direct_batches == [2, 2, 2]
     np.testing.assert_array_equal(streamed[0], direct[0])
     assert [x.loss for x in streamed[1]] == [x.loss for x in direct[1]]
+
+
+def test_uploads_sealed_into_their_messages_bytes_change_no_number(toy_population) -> None:
+    """In simulation each device seals its gradient straight into its encoded message when the runtime
+    takes the upload up (``defer_uploads``); built as a message and encoded by the runtime instead, the
+    same training gives the same weights and losses, bit for bit, and the same bytes on the wire."""
+    cfg = load_config(None, [*SMALL, "enclave.boundary=inprocess"])
+    wires: dict[bool, list[int]] = {}
+
+    def run(defer: bool):
+        sizes = wires.setdefault(defer, [])
+
+        def wrap(trainer) -> None:
+            trainer.pool.defer_uploads = defer
+
+        return _train(cfg, toy_population, 3, tap=lambda way, data: sizes.append(len(data)), wrap=wrap)
+
+    framed, built = run(True), run(False)
+    np.testing.assert_array_equal(framed[0], built[0])
+    assert [x.loss for x in framed[1]] == [x.loss for x in built[1]]
+    assert wires[True] == wires[False] and wires[True]
 
 
 def test_a_stream_that_missed_a_kept_reply_falls_back_to_the_direct_call(

@@ -9,6 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedveil.core.aggregation import weighted_average
 from fedveil.errors import ConfigError, ValidationError
@@ -173,6 +175,29 @@ def test_weighted_average_is_fedavg() -> None:
         weighted_average(v, {"a": 0, "b": 1})
     with pytest.raises(ValidationError, match="shape"):
         weighted_average({"a": np.zeros(2), "b": np.zeros(3)}, {"a": 1, "b": 1})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    weights=st.lists(st.integers(1, 10_000), min_size=1, max_size=7),
+    shape=st.sampled_from([(1,), (5,), (32768,), (70_001,), (3, 40_000)]),
+    dtype=st.sampled_from([np.float32, np.float64, np.float16]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_weighted_average_equals_the_whole_vector_sum_bit_for_bit(
+    weights: list[int], shape: tuple[int, ...], dtype: type, seed: int
+) -> None:
+    """Averaged a cache-sized block at a time, FedAvg gives exactly what ``acc += (n_k / n) * w_k`` over
+    whole vectors gives, in float64, cast to float32."""
+    rng = np.random.default_rng(seed)
+    vectors = {f"c{i}": rng.normal(0, 3, shape).astype(dtype) for i in range(len(weights))}
+    counts = {f"c{i}": w for i, w in enumerate(weights)}
+    plain = np.zeros(shape, np.float64)
+    for cid, v in vectors.items():
+        plain += (counts[cid] / sum(weights)) * v
+    got = weighted_average(vectors, counts)
+    assert got.dtype == np.float32 and got.shape == shape
+    np.testing.assert_array_equal(got, plain.astype(np.float32))
 
 
 def test_bad_settings() -> None:

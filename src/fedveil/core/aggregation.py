@@ -12,6 +12,10 @@ import numpy as np
 
 from fedveil.errors import ValidationError
 
+BLOCK = 32768
+"""Coordinates averaged per pass over the vectors (256 KiB of float64: the running sum and the product stay
+in cache while each vector's block is read once)."""
+
 
 def weighted_average(vectors: Mapping[str, np.ndarray], weights: Mapping[str, float]) -> np.ndarray:
     """FedAvg (McMahan et al. 2017, Alg. 1): ``sum_k (n_k / n) w_k`` over the clients that replied.
@@ -27,9 +31,26 @@ def weighted_average(vectors: Mapping[str, np.ndarray], weights: Mapping[str, fl
     if total <= 0 or any(w <= 0 for w in weights.values()):
         raise ValidationError(f"weights must be positive, got {sorted(weights.values())[:3]}...")
     shape = next(iter(vectors.values())).shape
-    acc = np.zeros(shape, dtype=np.float64)
     for cid, v in vectors.items():
         if v.shape != shape:
             raise ValidationError(f"client {cid}: vector of shape {v.shape}, expected {shape}")
-        acc += (weights[cid] / total) * v
-    return acc.astype(np.float32)
+    flat = [(v.reshape(-1), weights[cid] / total) for cid, v in vectors.items()]
+    size = flat[0][0].shape[0]
+    block = min(size, BLOCK)
+    out = np.empty(size, np.float32)
+    acc = np.empty(block, np.float64)
+    # the product in the vector's own dtype (a Python float times a float32 array is float32), as
+    # ``(n_k / n) * w_k`` computes it; the sum in float64
+    terms = {v.dtype: np.empty(block, np.result_type(v.dtype, 1.0)) for v, _ in flat}
+    for lo in range(0, size, BLOCK):
+        # a cache-sized block of every vector at a time; each coordinate sees the same operations in the
+        # same order as ``acc += (n_k / n) * w_k`` over whole vectors, so the result is bit-identical
+        hi = min(size, lo + BLOCK)
+        s = acc[: hi - lo]
+        s.fill(0.0)
+        for v, w in flat:
+            t = terms[v.dtype][: hi - lo]
+            np.multiply(v[lo:hi], w, out=t)
+            s += t
+        out[lo:hi] = s
+    return out.reshape(shape)

@@ -53,6 +53,7 @@ from fedveil.enclave.channel import (
     PUBLIC_KEY_BYTES,
     UPDATE,
     SecureChannel,
+    WritableBuffer,
     check_client_id,
     client_channel,
     decode_array,
@@ -325,16 +326,24 @@ class EnclaveClientSession:
         return self._ready().seal_array(EMBEDDINGS, rnd, attempt, array)
 
     def seal_gradient(
-        self, rnd: int, gradient: np.ndarray | Sequence[np.ndarray], *, attempt: int = 0
-    ) -> bytearray:
+        self,
+        rnd: int,
+        gradient: np.ndarray | Sequence[np.ndarray],
+        *,
+        attempt: int = 0,
+        out: WritableBuffer | None = None,
+    ) -> bytearray | WritableBuffer:
         """Encrypt this round's flat float32 local gradient ``(P,)`` to the enclave (step 8). A list or
         tuple of 1-D float32 arrays is the gradient in consecutive pieces, sealed without joining them
-        (the same record as their concatenation)."""
+        (the same record as their concatenation). With ``out`` (a writable buffer of the record's exact
+        length, :func:`~fedveil.enclave.channel.sealed_vector_bytes`) the record is written there."""
         if isinstance(gradient, (list, tuple)):
-            return self._ready().seal_pieces(GRADIENT, rnd, attempt, gradient)
+            return self._ready().seal_pieces(GRADIENT, rnd, attempt, gradient, out=out)
         array = np.asarray(gradient, dtype=np.float32)
         if array.ndim != 1:
             raise ValidationError(f"gradient must be flat (P,), got shape {array.shape}")
+        if out is not None:
+            return self._ready().seal_pieces(GRADIENT, rnd, attempt, [array], out=out)
         return self._ready().seal_array(GRADIENT, rnd, attempt, array)
 
     def open_derivatives(self, rnd: int, record: bytes, *, attempt: int = 0) -> np.ndarray:

@@ -54,7 +54,7 @@ from fedveil.core.messages import (
 )
 from fedveil.errors import CodecError
 
-__all__ = ["MAGIC", "decode", "encode", "encoded_size"]
+__all__ = ["MAGIC", "decode", "encode", "encode_with_slot", "encoded_size"]
 
 MAGIC = b"FVL1"
 """The first four bytes of every encoded message (format version 1)."""
@@ -250,12 +250,12 @@ def _spec_of(msg: object) -> MessageSpec:
         raise CodecError(f"cannot encode {type(msg).__qualname__}: {exc}") from exc
 
 
-def _plan(msg: Message) -> tuple[bytes, list[tuple[Any, int]]]:
-    """Validate ``msg`` and lay it out: the header bytes and each buffer with its byte length."""
+def _plan(msg: Message) -> tuple[bytes, list[tuple[str, Any, int]]]:
+    """Validate ``msg`` and lay it out: the header bytes and each buffer with its field and byte length."""
     spec = _spec_of(msg)
     fields: dict[str, Any] = {}
     entries: list[dict[str, Any]] = []
-    buffers: list[tuple[Any, int]] = []
+    buffers: list[tuple[str, Any, int]] = []
     offset = 0
     for field in spec.fields:
         where = f"{spec.name}.{field.name}"
@@ -277,7 +277,7 @@ def _plan(msg: Message) -> tuple[bytes, list[tuple[Any, int]]]:
         entries.append(
             {"field": field.name, "dtype": dtype, "shape": shape, "offset": offset, "nbytes": nbytes}
         )
-        buffers.append((buffer, nbytes))
+        buffers.append((field.name, buffer, nbytes))
         offset = _align(offset + nbytes)
     header = json.dumps(
         {"type": spec.name, "fields": fields, "arrays": entries},
@@ -304,16 +304,47 @@ def encode(msg: Message) -> bytes:
         header,
         _ZEROS[: -(_PREFIX.size + len(header)) % _ALIGN],
     ]
-    for buffer, nbytes in buffers:
+    for _, buffer, nbytes in buffers:
         parts.append(buffer)
         parts.append(_ZEROS[: -nbytes % _ALIGN])
     return b"".join(parts)
 
 
+def encode_with_slot(msg: Message, field: str) -> tuple[memoryview, np.ndarray]:
+    """``encode(msg)`` but for the bytes of ``field`` (a 1-D ``uint8`` array field), which are left for
+    the caller to write: returns the message's buffer and a writable view of that field's bytes in it.
+
+    Only the field's length is taken from ``msg`` (pass ``np.empty(n, np.uint8)``: it is never read).
+    Until the caller has written the whole slot, those bytes of the buffer are undefined. A device that
+    encrypts its upload straight into the slot (FDML's sealed gradient) saves one copy of the payload
+    and the zeroing of a separate record; the bytes are then exactly ``encode`` of the finished message.
+    """
+    spec = _spec_of(msg)
+    chosen = next((f for f in spec.fields if f.name == field), None)
+    if chosen is None or chosen.array is None or chosen.array.dtype != "uint8" or chosen.array.ndim != 1:
+        raise CodecError(f"{spec.name}.{field}: encode_with_slot needs a 1-D uint8 array field")
+    header, buffers = _plan(msg)
+    start = _align(_PREFIX.size + len(header))
+    frame = np.empty(start + sum(_align(nbytes) for _, _, nbytes in buffers), np.uint8)
+    head = _PREFIX.pack(MAGIC, len(header)) + header
+    frame[: len(head)] = np.frombuffer(head, np.uint8)
+    frame[len(head) : start] = 0
+    slot = frame[:0]
+    at = start
+    for name, buffer, nbytes in buffers:
+        if name == field:
+            slot = frame[at : at + nbytes]
+        else:
+            frame[at : at + nbytes] = np.frombuffer(buffer, np.uint8, count=nbytes)
+        frame[at + nbytes : _align(at + nbytes)] = 0
+        at = _align(at + nbytes)
+    return memoryview(frame), slot
+
+
 def encoded_size(msg: Message) -> int:
     """``len(encode(msg))`` without building the bytes (still validates ``msg``)."""
     header, buffers = _plan(msg)
-    return _align(_PREFIX.size + len(header)) + sum(_align(nbytes) for _, nbytes in buffers)
+    return _align(_PREFIX.size + len(header)) + sum(_align(nbytes) for _, _, nbytes in buffers)
 
 
 # --- decode -------------------------------------------------------------------------------------------

@@ -59,6 +59,9 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedveil.errors import CodecError, FedveilError, ValidationError
 
+WritableBuffer = bytearray | memoryview | np.ndarray
+"""Where a caller may have a record sealed (:meth:`SecureChannel.seal_pieces`'s ``out``)."""
+
 CLIENT_TO_ENCLAVE = 1
 ENCLAVE_TO_CLIENT = 2
 EMBEDDINGS = 1
@@ -351,15 +354,29 @@ class SecureChannel:
         frame header and values are encrypted straight from where they are."""
         return self._seal(kind, rnd, attempt, _array_parts(array))
 
-    def seal_pieces(self, kind: int, rnd: int, attempt: int, pieces: Sequence[np.ndarray]) -> bytearray:
+    def seal_pieces(
+        self,
+        kind: int,
+        rnd: int,
+        attempt: int,
+        pieces: Sequence[np.ndarray],
+        *,
+        out: WritableBuffer | None = None,
+    ) -> bytearray | WritableBuffer:
         """``seal_array(kind, rnd, attempt, np.concatenate(pieces))`` for 1-D float32 ``pieces``, without
         joining them: each piece is encrypted from where it is (a device's gradient straight from the
-        per-layer blocks its backward pass wrote)."""
-        return self._seal(kind, rnd, attempt, _pieces_parts(pieces))
+        per-layer blocks its backward pass wrote). With ``out`` (a writable buffer of exactly the
+        record's length, :func:`sealed_vector_bytes`), the record is written there and ``out`` returned."""
+        return self._seal(kind, rnd, attempt, _pieces_parts(pieces), out)
 
     def _seal(
-        self, kind: int, rnd: int, attempt: int, parts: Sequence[bytes | memoryview | np.ndarray]
-    ) -> bytearray:
+        self,
+        kind: int,
+        rnd: int,
+        attempt: int,
+        parts: Sequence[bytes | memoryview | np.ndarray],
+        into: WritableBuffer | None = None,
+    ) -> bytearray | WritableBuffer:
         if kind not in _KINDS_BY_DIRECTION[self.sending]:
             raise ValueError(f"kind {kind!r} cannot travel {DIRECTION_NAMES[self.sending]}")
         if not (0 <= rnd <= _MAX_SEQ and 0 <= attempt < 2**32):
@@ -374,9 +391,15 @@ class SecureChannel:
         if len(views) > 1 and size < _STREAM_MIN_BYTES:
             views = [memoryview(b"".join(views))]  # a small copy is cheaper than a streaming context
         # the ciphertext and tag are written behind the header, not concatenated to it
-        record = bytearray(RECORD_OVERHEAD + size)
-        record[: _RECORD_HEADER.size] = header
-        out = memoryview(record)[_RECORD_HEADER.size :]
+        record = bytearray(RECORD_OVERHEAD + size) if into is None else into
+        whole = _bytes_view(record)
+        if whole.readonly or whole.nbytes != RECORD_OVERHEAD + size:
+            raise ValueError(
+                f"a record of {RECORD_OVERHEAD + size} bytes cannot be written into a "
+                f"{'read-only ' if whole.readonly else ''}buffer of {whole.nbytes} bytes"
+            )
+        whole[: _RECORD_HEADER.size] = header
+        out = whole[_RECORD_HEADER.size :]
         nonce, ad = self._nonce(self.sending, seq), self._ad_prefix + header
         if len(views) == 1:
             self._aead[self.sending].encrypt_into(nonce, views[0], ad, out)

@@ -24,11 +24,11 @@ gradients into it, and receive their derivatives directly from it. Every request
     sealed to that client alone. The reply releases the loss and the number of active triplets.
 ``aggregate``
     ``{"round", "attempt", "clients", "num_samples", "final"}`` and one sealed gradient record per
-    client. Batches of one (round, attempt) are folded with
-    :func:`fedveil.enclave.aggregate.aggregate_gradients`; Eq. 2 is associative under re-weighting,
-    so the running aggregate joins the next batch as one more member whose sample count is the total
-    so far (one batch gives exactly the direct call). The ``final`` batch releases the aggregate
-    gradient to the host for the optimizer step, as FDML's cloud updates the global network.
+    client. Batches of one (round, attempt) are folded into one float64 sum of ``|d_i| g_i``
+    (:class:`fedveil.enclave.aggregate.GradientSum`), so however the clients are cut into requests the
+    result is bit for bit that of :func:`~fedveil.enclave.aggregate.aggregate_gradients` over them all.
+    The ``final`` batch releases the aggregate gradient to the host for the optimizer step, as FDML's
+    cloud updates the global network.
 ``layer_begin`` / ``layer_broadcast`` / ``layer_aggregate`` / ``layer_release``
     PPFL Alg. 1 (:mod:`fedveil.enclave.layerwise`): ``{"stage", "seed", "specs"}`` initialises the layer
     under training inside (from one blob of public float32 values, when the request carries one);
@@ -72,7 +72,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedveil.enclave.aggregate import BLOCK as AGGREGATE_BLOCK
-from fedveil.enclave.aggregate import aggregate_gradients
+from fedveil.enclave.aggregate import GradientSum
 from fedveil.enclave.attestation import REPORT_KEY_BYTES, ClientHello, make_report, report_data_for
 from fedveil.enclave.channel import (
     DERIVATIVES,
@@ -133,11 +133,12 @@ def alg2_bytes(n: int, d: int) -> int:
 
 
 def eq2_bytes(size: int) -> int:
-    """Heap that Eq. 2 (:func:`~fedveil.enclave.aggregate.aggregate_gradients`) allocates for gradients of
-    ``size`` values: the float32 result, and for one block of coordinates the float64 sum and term and
-    a finiteness mask (plus, when the sum is not finite, one gradient's mask to name the culprit)."""
+    """Heap that Eq. 2 (:class:`~fedveil.enclave.aggregate.GradientSum`) allocates for gradients of
+    ``size`` values in one request: the float64 sum (when the request starts it), the float32 result
+    (when it is the final one), and for one block of coordinates a float64 term and a finiteness mask
+    (plus, when the sum is not finite, one gradient's mask to name the culprit)."""
     block = min(size, AGGREGATE_BLOCK)
-    return 4 * size + 16 * block + size  # the masks: a block's, or at most one whole gradient's
+    return 8 * size + 4 * size + 8 * block + block + size  # the masks: a block's, or one whole gradient's
 
 
 class EnclaveMemoryError(ValidationError):
@@ -190,13 +191,11 @@ def _rejection(exc: FedveilError) -> str:
 
 @dataclass
 class _Aggregation:
-    """Eq. 2 in progress for one (round, attempt): the aggregate so far and its total sample count."""
+    """Eq. 2 in progress for one (round, attempt): the weighted sum so far."""
 
     rnd: int
     attempt: int
-    size: int | None = None
-    gradient: np.ndarray | None = None
-    total: int = 0
+    sum: GradientSum = dataclasses.field(default_factory=GradientSum)
 
 
 class EnclaveService:
@@ -228,8 +227,8 @@ class EnclaveService:
     def resident_bytes(self) -> int:
         """Heap the enclave keeps between calls: sessions and the running aggregate."""
         held = SESSION_BYTES * len(self._sessions)
-        if self._aggregation is not None and self._aggregation.gradient is not None:
-            held += self._aggregation.gradient.nbytes
+        if self._aggregation is not None:
+            held += self._aggregation.sum.nbytes
         return held + self._layers.resident_bytes
 
     @property
@@ -493,30 +492,25 @@ class EnclaveService:
             clients, blobs, kind=GRADIENT, rnd=rnd, attempt=attempt, ndim=1
         )
         meter.hold(size + sealed_total)
+        width = state.sum.size
         for cid, g in list(gradients.items()):
-            if state.size is not None and g.shape[0] != state.size:
-                rejected[cid] = f"ValidationError: gradient of {g.shape[0]} values, expected {state.size}"
+            if width is not None and g.shape[0] != width:
+                rejected[cid] = f"ValidationError: gradient of {g.shape[0]} values, expected {width}"
                 del gradients[cid]
+            width = g.shape[0] if width is None else width
         if gradients:
-            state.size = next(iter(gradients.values())).shape[0]
             samples = dict(zip(clients, num_samples, strict=True))
-            weights = {cid: samples[cid] for cid in gradients}
-            batch_total = sum(weights.values())
-            members: dict[str, np.ndarray] = dict(gradients)
-            if state.gradient is not None:
-                members[""] = state.gradient
-                weights[""] = state.total
-            state.gradient = np.asarray(aggregate_gradients(members, weights))
-            meter.hold(size + sealed_total + eq2_bytes(state.size))
-            state.total += batch_total
+            state.sum.add(gradients, {cid: samples[cid] for cid in gradients})
+            meter.hold(size + sealed_total + eq2_bytes(state.sum.nbytes // 8))
         reply: dict[str, Any] = {"ok": True, "final": final, "clients": list(gradients), "rejected": rejected}
         out: list[bytes] = []
         if final:
             self._aggregation = None
-            if state.gradient is not None:
-                reply["num_samples_total"] = state.total
-                reply["dtype"] = state.gradient.dtype.newbyteorder("<").str
-                out.append(encode_array(state.gradient))
+            if state.sum.total:
+                gradient = state.sum.mean()
+                reply["num_samples_total"] = state.sum.total
+                reply["dtype"] = gradient.dtype.newbyteorder("<").str
+                out.append(encode_array(gradient))
         return reply, out
 
     # --- PPFL (Alg. 1) ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.func import grad, vmap
 
+from fedveil.core import codec
 from fedveil.core.communicator import ClientId, Communicator, Deferred
 from fedveil.enclave.aggregate import aggregate_gradients
 from fedveil.enclave.channel import sealed_vector_bytes
@@ -52,6 +53,7 @@ from fedveil.protocols.messages import (
     SealedGradReply,
     SessionOffer,
     SessionReady,
+    sealed_record,
 )
 from fedveil.protocols.registration import attest_clients, register_clients
 from fedveil.protocols.settings import FDMLConfig
@@ -242,7 +244,9 @@ class AttestedEnclave:
     def step_five(self, rnd: int, attempt: int, replies: Mapping[ClientId, SealedEmbedReply]) -> StepFive:
         """The enclave opens the records, runs Alg. 1 (or Alg. 2), seals each device's derivatives."""
         res = self.host.loss_and_derivatives(rnd, {c: m.record for c, m in replies.items()}, attempt=attempt)
-        requests = {c: SealedBackpropRequest(rnd, attempt, rec) for c, rec in res.derivatives.items()}
+        requests = {
+            c: SealedBackpropRequest(rnd, attempt, sealed_record(rec)) for c, rec in res.derivatives.items()
+        }
         return StepFive(res.loss or 0.0, res.num_active, requests, dict(res.rejected))
 
     def gradient_stream(self, rnd: int, attempt: int, num_params: int) -> AggregateStream | None:
@@ -452,6 +456,19 @@ class FDMLServer:
         return fill_traffic(report, before, comm.stats())
 
 
+def _sealed_grad_frame(
+    session: Any, rnd: int, attempt: int, count: int, gradient: np.ndarray | tuple[np.ndarray, ...]
+) -> memoryview:
+    """A :class:`SealedGradReply` as the bytes a device sends, its gradient sealed straight into the
+    message's record field (:func:`fedveil.core.codec.encode_with_slot`): the bytes of
+    ``encode(SealedGradReply(rnd, attempt, count, seal_gradient(...)))`` without copying the record."""
+    size = sum(p.size for p in gradient) if isinstance(gradient, tuple) else np.asarray(gradient).size
+    placeholder = np.empty(sealed_vector_bytes(size), np.uint8)
+    frame, slot = codec.encode_with_slot(SealedGradReply(rnd, attempt, count, placeholder), "record")
+    session.seal_gradient(rnd, gradient, attempt=attempt, out=slot)
+    return frame
+
+
 class FDMLClients:
     """The device side of FDML for a simulated population (steps 3 and 7).
 
@@ -580,7 +597,7 @@ class FDMLClients:
                 out[cid] = self._sealed(
                     cid,
                     lambda s, m=m, e=embs[cid]: SealedEmbedReply(
-                        m.round, m.attempt, s.seal_embeddings(m.round, e, attempt=m.attempt)
+                        m.round, m.attempt, sealed_record(s.seal_embeddings(m.round, e, attempt=m.attempt))
                     ),
                 )
         return out
@@ -627,11 +644,17 @@ class FDMLClients:
                     return self._sealed(
                         cid,
                         lambda s: SealedGradReply(
-                            m.round, m.attempt, count, s.seal_gradient(m.round, g, attempt=m.attempt)
+                            m.round,
+                            m.attempt,
+                            count,
+                            sealed_record(s.seal_gradient(m.round, g, attempt=m.attempt)),
                         ),
                     )
 
-                out[cid] = Deferred(upload) if self.defer_uploads else upload()
+                def encoded(cid: ClientId = cid, m: Any = m, g: Any = g, count: int = count) -> object:
+                    return self._sealed(cid, lambda s: _sealed_grad_frame(s, m.round, m.attempt, count, g))
+
+                out[cid] = Deferred(encoded) if self.defer_uploads else upload()
         return out
 
     def _open_derivatives(self, cid: ClientId, msg: Any) -> np.ndarray | Exception:

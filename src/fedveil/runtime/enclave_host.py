@@ -78,6 +78,11 @@ ENCLAVE_COMMAND = ("-m", "fedveil.enclave.process")
 _LENGTH = struct.Struct("<Q")
 SHARED_MIN_BYTES = 256 * 1024
 """Requests at least this long go through the shared region; smaller ones are cheaper in the pipe."""
+STEP9_REQUEST_BYTES = 8 * 2**20
+"""Sealed gradient bytes per step-9 request (at least one record each). The enclave's Eq. 2 gives the same
+bits however the records are cut into requests (:class:`fedveil.enclave.aggregate.GradientSum`), so the
+cut is a matter of speed: a streamed round leaves only its last request to compute after the last upload,
+and each request costs one trip across the boundary."""
 Tap = Callable[[str, bytes], None]
 
 
@@ -311,14 +316,16 @@ class AggregateResult:
 
 
 class _BatchPlan:
-    """Where a stream of sealed records is cut into requests the enclave can hold: request and
-    plaintexts (about twice the sealed bytes), Eq. 2's float64 work and the running aggregate, and the
-    sessions, within the memory limit, for records of at most ``largest`` bytes (the enclave's own check
-    has the last word). Greedy: a record starts a new request when it would not fit the current one."""
+    """Where a stream of sealed records is cut into requests: at most ``request_bytes`` of records each,
+    and no more than the enclave can hold: request and plaintexts (about twice the sealed bytes), Eq. 2's
+    float64 work and the running sum, and the sessions, within the memory limit, for records of at most
+    ``largest`` bytes (the enclave's own check has the last word). Greedy: a record starts a new request
+    when it would not fit the current one; every request holds at least one."""
 
-    def __init__(self, host: EnclaveHost, largest: int) -> None:
+    def __init__(self, host: EnclaveHost, largest: int, request_bytes: int) -> None:
         resident = 2 * largest + SESSION_BYTES * len(host._sessions)
-        self.room = host.config.memory_limit_bytes - 8 * largest - resident - 4 * FRAME_SLACK_BYTES
+        room = host.config.memory_limit_bytes - 8 * largest - resident - 4 * FRAME_SLACK_BYTES
+        self.room = min(room, 2 * request_bytes)
         self.used = 0
 
     def starts_new_batch(self, record_bytes: int) -> bool:
@@ -332,17 +339,27 @@ class _BatchPlan:
 class AggregateStream:
     """FDML step 9 fed one gradient record at a time (:meth:`EnclaveHost.aggregate_stream`).
 
-    Records are cut into requests as :meth:`EnclaveHost.aggregate` cuts them. A full request is
-    submitted at once and not waited for: the enclave opens and sums it while the host receives the
-    next devices' replies (the shared region is written again as soon as the enclave has copied the
-    previous request in). :meth:`finish` sends the last request as the final one and gathers every
-    reply; :meth:`abort` gathers them and releases nothing (the enclave drops the partial sum when the
-    next aggregation starts). ``clients`` lists the records added, in order.
+    Records are cut into requests of at most ``request_bytes`` (:data:`STEP9_REQUEST_BYTES`) that the
+    enclave can hold; the result does not depend on the cut. A full request is submitted at once and not
+    waited for: the enclave opens and sums it while the host receives the next devices' replies (the
+    shared region is written again as soon as the enclave has copied the previous request in).
+    :meth:`finish` sends the last request as the final one and gathers every reply; :meth:`abort`
+    gathers them and releases nothing (the enclave drops the partial sum when the next aggregation
+    starts). ``clients`` lists the records added, in order.
     """
 
-    def __init__(self, host: EnclaveHost, rnd: int, attempt: int, largest: int) -> None:
+    def __init__(
+        self,
+        host: EnclaveHost,
+        rnd: int,
+        attempt: int,
+        largest: int,
+        request_bytes: int = STEP9_REQUEST_BYTES,
+    ) -> None:
+        if request_bytes < 1:
+            raise ConfigError(f"step-9 request_bytes {request_bytes} must be >= 1")
         self.host, self.rnd, self.attempt, self.largest = host, rnd, attempt, largest
-        self._plan = _BatchPlan(host, largest)
+        self._plan = _BatchPlan(host, largest, request_bytes)
         self.clients: list[str] = []
         self._batch: list[tuple[str, Buffer, int]] = []
         self._submitted = 0
@@ -542,8 +559,8 @@ class EnclaveHost:
         )
 
     def _batches(self, sealed: Mapping[str, Buffer]) -> Iterator[list[str]]:
-        """Split clients into requests the enclave can hold (:class:`_BatchPlan`)."""
-        plan = _BatchPlan(self, max(len(b) for b in sealed.values()))
+        """Split clients into requests the enclave can hold (:class:`_BatchPlan`, without a size cap)."""
+        plan = _BatchPlan(self, max(len(b) for b in sealed.values()), self.config.memory_limit_bytes)
         batch: list[str] = []
         for cid, record in sealed.items():
             if plan.starts_new_batch(len(record)) and batch:
@@ -559,24 +576,29 @@ class EnclaveHost:
         num_samples: Mapping[str, int],
         *,
         attempt: int = 0,
+        request_bytes: int = STEP9_REQUEST_BYTES,
     ) -> AggregateResult:
         """FDML step 9 (Eq. 2) inside the enclave over each client's sealed gradient record, weighted
         by ``num_samples`` (|d_i|); the aggregate is released for the host's optimizer step. Clients
-        are sent in as many requests as the enclave's memory limit needs."""
+        are sent in requests of at most ``request_bytes`` that the enclave's memory limit allows (the
+        result is the same for any cut)."""
         if not sealed:
             raise ValidationError(f"round {rnd}: aggregate needs at least one sealed gradient")
         if set(sealed) != set(num_samples):
             raise ValidationError("aggregate: sealed gradients and num_samples name different clients")
-        stream = self.aggregate_stream(rnd, max(len(b) for b in sealed.values()), attempt=attempt)
+        largest = max(len(b) for b in sealed.values())
+        stream = self.aggregate_stream(rnd, largest, attempt=attempt, request_bytes=request_bytes)
         for cid, record in sealed.items():
             stream.add(cid, record, num_samples[cid])
         return stream.finish()
 
-    def aggregate_stream(self, rnd: int, largest: int, *, attempt: int = 0) -> AggregateStream:
+    def aggregate_stream(
+        self, rnd: int, largest: int, *, attempt: int = 0, request_bytes: int = STEP9_REQUEST_BYTES
+    ) -> AggregateStream:
         """Step 9 fed client by client as the gradients arrive (:class:`AggregateStream`); ``largest``
-        bounds the records' length. Fed the same records in the same order with the same ``largest``,
-        it releases what :meth:`aggregate` releases, bit for bit: both cut the same requests."""
-        return AggregateStream(self, rnd, attempt, largest)
+        bounds the records' length. Fed the same records in the same order, it releases what
+        :meth:`aggregate` releases, bit for bit, whatever either's ``request_bytes``."""
+        return AggregateStream(self, rnd, attempt, largest, request_bytes)
 
     # --- PPFL (Alg. 1; fedveil.enclave.layerwise) ------------------------------------------------------
 

@@ -202,7 +202,8 @@ class SimulationRuntime:
         if min_replies < 0:
             raise ConfigError(f"min_replies {min_replies} must be >= 0")
         targets = list(msgs)
-        unknown = [c for c in targets if c not in set(self._clients)]
+        known = set(self._clients)
+        unknown = [c for c in targets if c not in known]
         if unknown:
             raise ConfigError(f"request to unknown clients {unknown[:5]}")
         faults = self.faults.get(phase, self.default)
