@@ -65,6 +65,21 @@ def test_ppfl_memory_table(capsys) -> None:
     assert 0.7 <= first["avg"]["measured"] / first["avg"]["total"] <= 1.25
 
 
+def test_a_run_with_darknet_initialisation_starts_each_stage_in_the_enclave_that_way(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedveil.protocols import ppfl
+
+    drawn: list[str] = []
+    real = ppfl.param_specs
+    monkeypatch.setattr(ppfl, "param_specs", lambda net, init="torch": drawn.append(init) or real(net, init))
+    config = tmp_path / "darknet.yaml"
+    config.write_text(TINY + "model_init: darknet\n")
+    assert main(["ppfl", "run", str(config), "--out", str(tmp_path / "run"), "--json", "--no-e2e"]) == 0
+    assert json.loads(capsys.readouterr().out)["rounds"] == 6
+    assert drawn == ["darknet"] * 3
+
+
 def test_config_errors_name_the_setting(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY + "colour: red\n")
@@ -78,6 +93,9 @@ def test_config_errors_name_the_setting(tmp_path: Path, capsys) -> None:
         load_ppfl_run(bad)
     bad.write_text(TINY.replace("tee_mib: [64]", "tee_mib: [0]"))
     with pytest.raises(ConfigError, match="tee_mib"):
+        load_ppfl_run(bad)
+    bad.write_text(TINY + "model_init: he\n")
+    with pytest.raises(ConfigError, match="model_init 'he' is not one of torch, darknet"):
         load_ppfl_run(bad)
     bad.write_text(TINY.replace("lr: 0.05", "lr: 0.05\n  block_size: 3"))
     assert main(["ppfl", "run", str(bad), "--out", str(tmp_path / "x"), "--json", "--no-e2e"]) != 0

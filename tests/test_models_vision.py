@@ -285,3 +285,26 @@ def test_importing_the_zoo_is_cheap() -> None:
         "fedveil.models.vision",
         "fedveil.models.zoo",
     }
+
+
+def test_darknet_initialisation_keeps_vgg9s_signal() -> None:
+    """Darknet's initialisation (PPFL's own framework): conv and FC weights within sqrt(2 / fan_in),
+    biases zero, the same values for the same seed. Through VGG9's nine ReLU layers without batch norm,
+    PyTorch's default leaves the logits nearly independent of the input; Darknet's keeps 10x more of it."""
+    model = build_model("vgg9", in_channels=1, image_size=28, seed=3, init="darknet")
+    for module in model.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            assert module.weight.abs().max() <= math.sqrt(2 / module.weight[0].numel())
+            assert not module.bias.any()
+    again = build_model("vgg9", in_channels=1, image_size=28, seed=3, init="darknet")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    x = torch.rand(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    spread = {}
+    for init in ("torch", "darknet"):
+        net = build_model("vgg9", in_channels=1, image_size=28, seed=0, init=init).eval()
+        with torch.no_grad():
+            out = net(x)
+        spread[init] = (out - out.mean(0)).std().item()  # how much the logits depend on the input
+    assert spread["darknet"] > 10 * spread["torch"]
+    with pytest.raises(ConfigError, match="unknown initialisation 'he'; choose one of torch, darknet"):
+        build_model("vgg9", init="he")

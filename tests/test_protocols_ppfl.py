@@ -119,6 +119,34 @@ def test_enclave_initialisation_follows_pytorch_defaults() -> None:
         state.begin(1, specs, 0)
 
 
+def test_enclave_initialisation_follows_darknet_when_asked() -> None:
+    """With ``darknet`` the enclave draws each stage as Darknet (and ``build_model(init="darknet")``)
+    does: weights from U(-sqrt(2/fan_in), sqrt(2/fan_in)), biases zero."""
+    from fedveil.enclave.layerwise import initialise
+
+    model = _model()
+    net = stage_net(model, plan_stages(model)[0])
+    specs = param_specs(net, "darknet")
+    assert [s.shape for s in specs] == [tuple(p.shape) for p in net.parameters()]
+    weights = [m.weight for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    assert [s.init for s in specs] == ["uniform", "zeros"] * len(weights)
+    for spec, w in zip(specs[::2], weights, strict=True):
+        assert spec.bound == pytest.approx(np.sqrt(2 / w[0].numel()))
+    theta = initialise(specs, np.random.default_rng(0))
+    at = 0
+    for spec in specs:
+        part = theta[at : at + spec.size]
+        at += spec.size
+        if spec.init == "zeros":
+            assert not part.any()
+        else:
+            assert np.abs(part).max() <= spec.bound
+            if spec.size > 10_000:  # U(-b, b) has standard deviation b / sqrt(3)
+                assert part.std() == pytest.approx(spec.bound / np.sqrt(3), rel=0.03)
+    with pytest.raises(ConfigError, match="unknown initialisation 'he'"):
+        param_specs(net, "he")
+
+
 def test_tee_memory_model_matches_measured_peak() -> None:
     """S_l (parameters, gradients, optimizer state, activations) against the measured peak of the same
     training steps (every tensor storage alive during them): within 5% for LeNet, and measured /

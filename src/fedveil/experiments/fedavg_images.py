@@ -21,7 +21,7 @@ from fedveil.data.images import ImageData, load_image_dataset
 from fedveil.data.partition import partition, to_federated
 from fedveil.errors import ConfigError
 from fedveil.models.flat import FlatModel
-from fedveil.models.zoo import build_model
+from fedveil.models.zoo import INITS, build_model
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer, ParameterPlan
 from fedveil.runtime.simulation import SimulationRuntime
 
@@ -33,7 +33,8 @@ class FedAvgRun:
     """One image FedAvg experiment: ``data`` (a :func:`load_image_dataset` name), ``model`` (a zoo name),
     ``clients`` holding ``samples_per_client`` training examples each (drawn without replacement from the
     training split, then split by ``scheme``: ``iid``, ``classes:K``, ``dirichlet:ALPHA``), ``test_samples``
-    test examples, ``rounds`` of ``fedavg`` and a ``seed`` for everything random."""
+    test examples, ``rounds`` of ``fedavg`` and a ``seed`` for everything random; ``model_init``: how the
+    model's initial values are drawn (:data:`fedveil.models.zoo.INITS`)."""
 
     data: str = "fashion-mnist"
     model: str = "lenet"
@@ -45,12 +46,15 @@ class FedAvgRun:
     fedavg: ImageFedAvgConfig = field(default_factory=ImageFedAvgConfig)
     seed: int = 0
     batched: bool | None = None
+    model_init: str = "torch"
 
     def __post_init__(self) -> None:
         for name in ("clients", "samples_per_client", "test_samples", "rounds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} {value!r} must be an integer >= 1")
+        if self.model_init not in INITS:
+            raise ConfigError(f"model_init {self.model_init!r} is not one of {', '.join(INITS)}")
 
 
 @dataclass
@@ -143,6 +147,7 @@ def train_fedavg(
         in_channels=members.image_shape[0],
         image_size=members.image_shape[1],
         seed=run.seed,
+        init=run.model_init,
     )
     flat = FlatModel(module)
     chosen = plan(flat) if plan is not None else ParameterPlan(flat)

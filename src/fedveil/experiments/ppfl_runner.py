@@ -79,11 +79,14 @@ class PpflRun:
     """One PPFL experiment (module docstring). ``tee_mib`` lists the TEE sizes devices draw from
     uniformly (one value: every device has it; default the HiKey 960's 16 MiB). ``reach_e2e_rounds``
     is Table 3's measure: E2E FedAvg trains first for that many rounds, and PPFL stops as soon as an
-    evaluation reaches E2E's final accuracy; the results give the rounds and bytes it took."""
+    evaluation reaches E2E's final accuracy; the results give the rounds and bytes it took.
+    ``model_init`` (:data:`fedveil.models.zoo.INITS`) is how both E2E's model and each PPFL stage (drawn
+    inside the enclave) start: ``darknet`` is how PPFL's own implementation starts them."""
 
     name: str = "ppfl"
     data: str = "fashion-mnist"
     model: str = "lenet"
+    model_init: str = "torch"
     clients: int = 10
     samples_per_client: int = 100
     scheme: str = "iid"
@@ -148,12 +151,18 @@ class PpflRun:
             test_samples=self.test_samples,
             rounds=1,
             seed=self.seed,
+            model_init=self.model_init,
         )
 
 
 def _model(run: PpflRun, num_classes: int, channels: int, side: int) -> LayerwiseNet:
     model = build_model(
-        run.model, num_classes=num_classes, in_channels=channels, image_size=side, seed=run.seed
+        run.model,
+        num_classes=num_classes,
+        in_channels=channels,
+        image_size=side,
+        seed=run.seed,
+        init=run.model_init,
     )
     if not isinstance(model, LayerwiseNet):
         raise ConfigError(f"model {run.model!r} is not a layer-wise network")
@@ -434,7 +443,9 @@ def train_ppfl(
             evaluators=[EVALUATOR],
         )
         runtime = SimulationRuntime(pool, rng=np.random.default_rng(run.seed + 1), tap=tap)
-        server = PpflServer(model, cfg, host, np.random.default_rng(run.seed + 2), public=public_model)
+        server = PpflServer(
+            model, cfg, host, np.random.default_rng(run.seed + 2), public=public_model, init=run.model_init
+        )
         start = time.perf_counter()
 
         async def go() -> None:

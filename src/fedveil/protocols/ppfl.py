@@ -63,6 +63,7 @@ from fedveil.errors import ConfigError, FedveilError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.models.measure import LiveBytes
 from fedveil.models.vision import LayerwiseNet
+from fedveil.models.zoo import INITS, darknet_bound
 from fedveil.protocols.common import RoundReport, client_rng, expect
 from fedveil.protocols.fedavg import BATCH_BELOW_PARAMS, FedAvgEngine, FitResult, select_uniform
 from fedveil.protocols.local import LocalOptimizer, local_train, local_train_cohort
@@ -307,13 +308,24 @@ def stage_net(model: LayerwiseNet, stage: Stage) -> StageNet:
     return StageNet(layers, nn.Sequential(*pooling, conv, *heads))
 
 
-def param_specs(net: nn.Module) -> list[ParamSpec]:
-    """PyTorch's default initialisation of each parameter of ``net``, for the enclave to draw
-    ``theta_l`` from: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for convolution and linear weights and biases."""
+def param_specs(net: nn.Module, init: str = "torch") -> list[ParamSpec]:
+    """The initialisation ``init`` (:data:`fedveil.models.zoo.INITS`) of each parameter of ``net``, for
+    the enclave to draw ``theta_l`` from. ``torch``: PyTorch's default, ``U(-1/sqrt(fan_in),
+    1/sqrt(fan_in))`` for convolution and linear weights and biases; ``darknet``: Darknet's,
+    ``U(-sqrt(2/fan_in), sqrt(2/fan_in))`` weights and zero biases
+    (:func:`fedveil.models.zoo.darknet_init_`)."""
+    if init not in INITS:
+        raise ConfigError(f"unknown initialisation {init!r}; choose one of {', '.join(INITS)}")
     specs = []
     for module in net.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
-            bound = 1.0 / math.sqrt(module.weight[0].numel())
+            fan_in = module.weight[0].numel()
+            if init == "darknet":
+                specs.append(ParamSpec(tuple(module.weight.shape), "uniform", darknet_bound(fan_in)))
+                if module.bias is not None:
+                    specs.append(ParamSpec(tuple(module.bias.shape), "zeros"))
+                continue
+            bound = 1.0 / math.sqrt(fan_in)
             for p in module.parameters(recurse=False):
                 specs.append(ParamSpec(tuple(p.shape), "uniform", bound))
         elif any(True for _ in module.parameters(recurse=False)):
@@ -926,7 +938,8 @@ class StageReport:
 
 
 class PpflServer:
-    """Alg. 1 over a :class:`Communicator`, with the layer in training held in ``enclave``."""
+    """Alg. 1 over a :class:`Communicator`, with the layer in training held in ``enclave``, which draws
+    each stage's initial values as ``init`` says (:func:`param_specs`)."""
 
     def __init__(
         self,
@@ -936,9 +949,11 @@ class PpflServer:
         rng: np.random.Generator,
         *,
         public: nn.Module | None = None,
+        init: str = "torch",
     ) -> None:
         self.model = model
         self.cfg = cfg
+        self.init = init
         self.enclave = enclave
         self.rng = rng
         self.stages = cfg.stages(model)
@@ -1066,7 +1081,7 @@ class PpflServer:
         report = StageReport(stage.index, stage.units, memory, len(eligible))
         self.reports.append(report)
         initial = np.concatenate([self.public[u] for u in stage.units]) if self.public else None
-        self.enclave.layer_begin(stage.index, param_specs(net), cfg.seed, initial)
+        self.enclave.layer_begin(stage.index, param_specs(net, self.init), cfg.seed, initial)
         timing: dict[str, float] = {}
         outcome: dict[str, Any] = {}
         size = cfg.clients_per_round or len(eligible)
