@@ -501,7 +501,7 @@ class EnclaveService:
         if gradients:
             samples = dict(zip(clients, num_samples, strict=True))
             state.sum.add(gradients, {cid: samples[cid] for cid in gradients})
-            meter.hold(size + sealed_total + eq2_bytes(state.sum.nbytes // 8))
+            meter.hold(size + sealed_total + eq2_bytes(state.sum.size or 0))
         reply: dict[str, Any] = {"ok": True, "final": final, "clients": list(gradients), "rejected": rejected}
         out: list[bytes] = []
         if final:
