@@ -55,3 +55,46 @@ def test_table_2_harness_runs_each_attack_on_what_each_observer_sees(
     assert again["attacks"] == summary["attacks"]
     with pytest.raises(ConfigError, match="written by a run with other settings"):
         ppfl_attack_table(images=_images(seed=1), out=tmp_path, **TINY)
+
+
+def test_model_init_and_classifier_pool_reach_every_part(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """VGG9's Table 2 needs Darknet's initialisation (to learn) and pooled stage classifiers (to fit the
+    enclave): the CLI options reach E2E's DLG and property runs, PPFL's run and its stages."""
+    from fedveil.cli import main
+
+    images = _images(model_init="darknet")
+    cfg = ppfl_attacks.ppfl_like(images, classifier_pool="avg")
+    assert cfg.classifier_pool == "avg" and cfg.keep_classifier_in_tee
+    assert ppfl_attacks._ppfl_run(images, cfg, 64.0).model_init == "darknet"
+    seen: dict[str, object] = {}
+
+    def table(**kw: object) -> dict[str, object]:
+        seen.update(kw)
+        return {"attacks": {}}
+
+    monkeypatch.setattr(ppfl_attacks, "ppfl_attack_table", table)
+    argv = ["ppfl", "attacks", "--model", "vgg9", "--model-init", "darknet", "--classifier-pool", "avg"]
+    assert main([*argv, "--json"]) == 0
+    assert seen["images"].model == "vgg9" and seen["images"].model_init == "darknet"
+    assert seen["ppfl"].classifier_pool == "avg"
+    with pytest.raises(SystemExit):
+        main(["ppfl", "attacks", "--model-init", "xavier"])
+    assert "invalid choice: 'xavier'" in capsys.readouterr().err
+    calls: list[str] = []
+
+    def fake_build(*a: object, init: str = "torch", **k: object) -> None:
+        calls.append(init)
+        raise RuntimeError("stop after building")
+
+    from fedveil.experiments import attack_runs
+
+    monkeypatch.setattr(attack_runs, "build_model", fake_build)
+    for run in (
+        lambda: attack_runs.run_inversion(
+            "dlg", data="synthetic-fashion-mnist:1500", targets=1, init="darknet"
+        ),
+        lambda: attack_runs.run_property(data="synthetic-fashion-mnist:1500", clients=2, init="darknet"),
+    ):
+        with pytest.raises(RuntimeError, match="stop after building"):
+            run()
+    assert calls == ["darknet", "darknet"]

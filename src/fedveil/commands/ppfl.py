@@ -4,11 +4,12 @@
   [--no-progress] [--resume]``
   trains PPFL (and end-to-end FedAvg over the same total rounds), writes the run directory
   (:func:`fedveil.experiments.ppfl_runner.run_ppfl`) and prints the per-layer summary.
-- ``fedveil ppfl attacks [--model M] [--data D] [--dra-targets N] [--seed S] [--out DIR] [--json]``: Table 2,
-  each attack on what each observer sees (:func:`fedveil.experiments.ppfl_attacks.ppfl_attack_table`).
-- ``fedveil ppfl lira [--model M] [--data D] [--clients C] [--shadows S] [--systems LIST] [--seed S]
-  [--out DIR] [--json]``: Table 2's membership row by LiRA, with shadows trained the way E2E FedAvg and
-  PPFL train (:func:`fedveil.experiments.ppfl_lira.ppfl_lira_table`).
+- ``fedveil ppfl attacks [--model M] [--model-init I] [--classifier-pool P] [--data D] [--dra-targets N]
+  [--seed S] [--out DIR] [--json]``: Table 2, each attack on what each observer sees
+  (:func:`fedveil.experiments.ppfl_attacks.ppfl_attack_table`).
+- ``fedveil ppfl lira [--model M] [--model-init I] [--classifier-pool P] [--data D] [--clients C]
+  [--shadows S] [--systems LIST] [--seed S] [--out DIR] [--json]``: Table 2's membership row by LiRA, with
+  shadows trained the way E2E FedAvg and PPFL train (:func:`fedveil.experiments.ppfl_lira.ppfl_lira_table`).
 - ``fedveil ppfl transfer CONFIG [--fractions F ...] [--last K ...] [--out DIR] [--json]``: Appendix A.1 /
   Fig. 8, transfer from public data (:func:`fedveil.experiments.ppfl_transfer.run_transfer_sweep`).
 - ``fedveil ppfl cost [--model M] [--data D] [--steps N] [--repeats R] [--plot PNG] [--json]``: Fig. 3,
@@ -28,6 +29,24 @@ from typing import Any
 from fedveil.errors import ConfigError
 
 
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--model-init`` and ``--classifier-pool`` of the attack commands (VGG9 needs
+    ``--model-init darknet --classifier-pool avg`` to learn and to fit the enclave, as in Table 3)."""
+    parser.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+    parser.add_argument(
+        "--model-init",
+        default="torch",
+        choices=("torch", "darknet"),
+        help="how E2E's model and each PPFL stage are initialised (default torch; vgg9: darknet)",
+    )
+    parser.add_argument(
+        "--classifier-pool",
+        default="none",
+        choices=("none", "avg", "max"),
+        help="pool a PPFL conv stage's output before its classifier (default none; vgg9: avg)",
+    )
+
+
 def register(subparsers: Any) -> None:
     """Add the ``ppfl`` command with its ``run`` and ``memory`` actions."""
     p = subparsers.add_parser("ppfl", help="PPFL: layer-wise federated training in client and server TEEs")
@@ -45,7 +64,7 @@ def register(subparsers: Any) -> None:
         "--resume", action="store_true", help="continue the run in --out after its last finished stage"
     )
     a = actions.add_parser("attacks", help="Table 2: DLG, property and membership inference, E2E vs PPFL")
-    a.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+    _add_model_options(a)
     a.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
     a.add_argument("--dra-targets", type=int, default=5, help="batch-1 uploads DLG attacks (default 5)")
     a.add_argument("--seed", type=int, default=0, help="seed of everything random (default 0)")
@@ -60,7 +79,7 @@ def register(subparsers: Any) -> None:
         "lira",
         help="Table 2's MIA by LiRA: TPR at FPR 1e-3, shadows trained the way E2E and PPFL train",
     )
-    li.add_argument("--model", default="lenet", help="zoo model (default lenet)")
+    _add_model_options(li)
     li.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
     li.add_argument(
         "--clients",
@@ -171,10 +190,12 @@ def _memory(args: argparse.Namespace) -> int:
 
 def _attacks(args: argparse.Namespace) -> int:
     from fedveil.experiments.attack_runs import membership_run
-    from fedveil.experiments.ppfl_attacks import ppfl_attack_table
+    from fedveil.experiments.ppfl_attacks import ppfl_attack_table, ppfl_like
 
+    images = membership_run(data=args.data, model=args.model, seed=args.seed, model_init=args.model_init)
     summary = ppfl_attack_table(
-        images=membership_run(data=args.data, model=args.model, seed=args.seed),
+        images=images,
+        ppfl=ppfl_like(images, classifier_pool=args.classifier_pool),
         dra_targets=args.dra_targets,
         out=args.out,
         progress=not args.json,
@@ -200,8 +221,14 @@ def _lira(args: argparse.Namespace) -> int:
 
     if args.clients < 1:
         raise ConfigError(f"--clients {args.clients} must be >= 1")
+    from fedveil.experiments.ppfl_attacks import ppfl_like
+
+    images = membership_run(
+        data=args.data, model=args.model, clients=args.clients, seed=args.seed, model_init=args.model_init
+    )
     summary = ppfl_lira_table(
-        images=membership_run(data=args.data, model=args.model, clients=args.clients, seed=args.seed),
+        images=images,
+        ppfl=ppfl_like(images, classifier_pool=args.classifier_pool),
         systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
         shadows=args.shadows,
         out=args.out,

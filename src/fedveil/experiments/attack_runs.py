@@ -138,12 +138,14 @@ def run_inversion(
     seed: int = 0,
     out: Path | None = None,
     defence: str = "none",
+    init: str = "torch",
 ) -> dict[str, Any]:
     """Invert ``targets`` client batches of ``batch`` test images with ``attack`` (``dlg``, ``idlg``, ``ig``).
 
     Target ``i`` uses a fresh model initialised with seed ``seed + i`` (the DLG paper's setting: an
     untrained network) and the images ``i * batch ... (i + 1) * batch - 1`` of a seeded shuffle of the
-    test split. Returns (and writes to ``out/attack_<name>.json``) the per-target and median metrics.
+    test split; ``init`` is how its parameters are drawn (:data:`fedveil.models.zoo.INITS`). Returns (and
+    writes to ``out/attack_<name>.json``) the per-target and median metrics.
     """
     if attack not in INVERSIONS:
         raise ConfigError(f"inversion attack {attack!r} is not one of {', '.join(INVERSIONS)}")
@@ -179,6 +181,7 @@ def run_inversion(
             in_channels=images.image_shape[0],
             image_size=images.image_shape[1],
             seed=seed + i,
+            init=init,
         )
         if view == "fedavg":
             seen = _fedavg_one_step_view(net, x, y, lr)
@@ -193,6 +196,7 @@ def run_inversion(
                     in_channels=images.image_shape[0],
                     image_size=images.image_shape[1],
                     seed=seed + 10_000 + i,
+                    init=init,
                 )
             seen = client_gradient_view(net, x, y, hidden=last_layer(net), attacker_model=guess)
         result = run(
@@ -287,9 +291,11 @@ def membership_run(
     rounds: int = 40,
     local_epochs: int = 5,
     seed: int = 0,
+    model_init: str = "torch",
 ) -> FedAvgRun:
     """The default target of :func:`run_membership`: full participation, SGD with momentum 0.9 and
-    learning rate 0.05, batches of 16, no defence; ``test_samples`` equal to the members (non-members)."""
+    learning rate 0.05, batches of 16, no defence; ``test_samples`` equal to the members (non-members);
+    ``model_init`` as :class:`~fedveil.experiments.fedavg_images.FedAvgRun` takes it."""
     return FedAvgRun(
         data=data,
         model=model,
@@ -305,6 +311,7 @@ def membership_run(
             eval_every=5,
         ),
         seed=seed,
+        model_init=model_init,
     )
 
 
@@ -409,8 +416,10 @@ def run_property(
     rounds: int = 6,
     seed: int = 0,
     out: Path | None = None,
+    init: str = "torch",
 ) -> dict[str, Any]:
-    """Melis et al.'s property inference on per-client FedAvg updates, and its control (module docstring).
+    """Melis et al.'s property inference on per-client FedAvg updates, and its control (module docstring);
+    ``init`` is how the model's parameters are drawn (:data:`fedveil.models.zoo.INITS`).
 
     Half the clients (seeded choice) have the property: every one of their images is stamped
     (:func:`stamp_property`). The attacker holds auxiliary examples (unused training images), stamps half
@@ -451,6 +460,7 @@ def run_property(
             in_channels=own.image_shape[0],
             image_size=own.image_shape[1],
             seed=seed,
+            init=init,
         )
         flat = FlatModel(module)
         plan = ParameterPlan(flat)

@@ -66,17 +66,20 @@ def _ppfl_run(images: FedAvgRun, cfg: PpflConfig, tee_mib: float) -> PpflRun:
         scheme=images.scheme,
         test_samples=images.test_samples,
         seed=images.seed,
+        model_init=images.model_init,
         tee_mib=(tee_mib,),
         e2e=False,
         ppfl=cfg,
     )
 
 
-def ppfl_like(images: FedAvgRun) -> PpflConfig:
+def ppfl_like(images: FedAvgRun, *, classifier_pool: str = "none") -> PpflConfig:
     """PPFL with E2E FedAvg's local recipe (epochs, batch, SGD), each stage for E2E's rounds divided by the
     number of stages (LeNet's two layers and its classifier: 13 rounds each of E2E's 40), the last layer
-    kept in the TEEs."""
-    stages = plan_stages(build_model(images.model, num_classes=10, in_channels=3, image_size=32))
+    kept in the TEEs; ``classifier_pool`` for the conv stages' classifiers (VGG9's first stages need
+    ``avg`` to fit the server's enclave)."""
+    model = build_model(images.model, num_classes=10, in_channels=3, image_size=32)
+    stages = plan_stages(model, classifier_pool=classifier_pool)
     rounds = max(1, images.rounds // len(stages))
     return PpflConfig(
         rounds_per_stage=rounds,
@@ -88,6 +91,7 @@ def ppfl_like(images: FedAvgRun) -> PpflConfig:
         keep_classifier_in_tee=True,
         eval_every=rounds,
         seed=images.seed,
+        classifier_pool=classifier_pool,
     )
 
 
@@ -206,12 +210,18 @@ def ppfl_attack_table(
             iterations=dra_iterations,
             view="fedavg",
             seed=images.seed,
+            init=images.model_init,
         )
         rows["dra/e2e"] = {
             k: dra[k] for k in ("attack", "view", "mse", "psnr", "ssim", "recovered", "targets")
         }
         pia = run_property(
-            data=images.data, model=images.model, clients=pia_clients, rounds=pia_rounds, seed=images.seed
+            data=images.data,
+            model=images.model,
+            clients=pia_clients,
+            rounds=pia_rounds,
+            seed=images.seed,
+            init=images.model_init,
         )
         rows["pia/e2e"] = pia["attacks"]["melis/target"]
         rows["pia/e2e-control"] = pia["attacks"]["melis/control"]
