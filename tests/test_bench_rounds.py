@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fedveil.cli import main
 
 SMALL = [
@@ -53,6 +55,11 @@ def test_bench_rounds_json(capsys) -> None:
     )
     assert abs(row["floor_seconds"] - parts) <= 1e-9 * parts
     assert abs(row["fraction_of_floor"] - row["floor_seconds"] * row["rounds_per_second"]) <= 1e-9
+    # the broadcast is coded once for its recipients; every sealed byte is sealed and opened
+    assert 0 < row["bytes_down_coded_per_round"] < row["bytes_down_per_round"]
+    up, coded = row["bytes_up_per_round"], row["bytes_down_coded_per_round"]
+    assert row["copied_bytes_per_round"] == 2 * (up + coded) + up
+    assert row["sealed_bytes_per_round"] == 2 * (up + 4 * 4 * 64 * 4)
     # the profile's phases add up to the profiled round, and the device and enclave phases were found
     prof = row["profile_seconds_per_round"]
     phases = sum(v for k, v in prof.items() if k != "profiled_round_seconds")
@@ -66,6 +73,34 @@ def test_bench_rounds_json(capsys) -> None:
         "enclave_step9_stream",
     ):
         assert prof[phase] > 0, phase
+
+
+def test_bench_rounds_of_fl_traditional(capsys) -> None:
+    """Table I's FL-traditional rounds: its written-out step's FLOPs are counted, its floor has no enclave
+    part, and the profile splits the round into the devices' step, the average and the codec."""
+    small = [
+        "--set", "data.train_users_per_model=[6, 6]", "--set", "data.test_users_per_model=[2, 2]",
+        "--set", "fedavg.clients_per_round=4", "--set", "fedavg.samples_per_client=4",
+    ]  # fmt: skip
+    argv = ["bench", "rounds", "--protocol", "fedavg", "--rounds", "2", "--repeats", "1", "--threads", "1"]
+    assert main([*argv, "--warmup", "1", "--profile", *small, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["protocol"] == "fedavg" and row["participants"] == 4 and row["samples"] == 4
+    assert row["alg1_seconds"] == 0.0 and row["sealed_bytes_per_round"] == 0.0
+    assert row["enclave_boundary"] == "none"
+    up, coded = row["bytes_up_per_round"], row["bytes_down_coded_per_round"]
+    assert coded * 4 == row["bytes_down_per_round"]  # one broadcast, metered once per device
+    assert row["copied_bytes_per_round"] == 2 * (up + coded) + up
+    prof = row["profile_seconds_per_round"]
+    assert set(prof) == {"device_step", "aggregation", "codec", "other", "profiled_round_seconds"}
+    assert prof["device_step"] > 0 and prof["aggregation"] > 0 and prof["codec"] > 0
+    # the written-out step is counted as it runs, and does the FLOPs of each device's own autograd
+    assert main([*argv, "--warmup", "0", "--one-by-one", *small, "--json"]) == 0
+    one_by_one = json.loads(capsys.readouterr().out)
+    assert row["device_flops_per_round"] == one_by_one["device_flops_per_round"] > 0
+    with pytest.raises(SystemExit):
+        main(["bench", "rounds", "--protocol", "fedsgd"])
+    assert "invalid choice: 'fedsgd'" in capsys.readouterr().err
 
 
 def test_bench_enclave_through_the_boundary(capsys) -> None:

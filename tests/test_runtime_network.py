@@ -125,6 +125,7 @@ def test_round_trip_over_mutual_tls(pki: Path) -> None:
         assert all(r.total == 6.0 and r.device == n for n, r in replies.items())
         stats = runtime.stats()
         assert stats.bytes_down == 3 * len(codec.encode(ping))
+        assert stats.bytes_down_coded == len(codec.encode(ping))  # the broadcast is encoded once
         assert stats.bytes_up == sum(len(codec.encode(r)) for r in replies.values())
         assert len(stats.timings) == 3
         for t in stats.timings:

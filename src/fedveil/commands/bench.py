@@ -184,9 +184,10 @@ def _run_boundary(args: argparse.Namespace) -> int:
 def _add_rounds(sub: Any) -> None:
     p = sub.add_parser(
         "rounds",
-        help="FDML training rounds per second at the paper's TouchAuth setting",
+        help="FDML (or FL-traditional) training rounds per second at the paper's TouchAuth setting",
         description="Whole FDML rounds (64 participants x 8 samples on the synthetic TouchAuth population): "
-        "selection, codec, device forward and backward passes, enclave, Eq. 2 and Adam.",
+        "selection, codec, device forward and backward passes, enclave, Eq. 2 and Adam; with --protocol "
+        "fedavg, Table I's FL-traditional rounds (one local SGD step per device, FedAvg).",
     )
     p.add_argument("--rounds", type=int, default=20, help="rounds per timed block (default 20)")
     p.add_argument("--repeats", type=int, default=3, help="timed blocks; the median is reported (default 3)")
@@ -197,6 +198,12 @@ def _add_rounds(sub: Any) -> None:
         help="untimed training rounds first, so that Alg. 1 runs at its long-run cost (default 60)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument(
+        "--protocol",
+        default="fdml",
+        choices=("fdml", "fedavg"),
+        help="fdml, or fedavg: Table I's FL-traditional baseline (64 devices x 8 samples, one SGD step)",
+    )
     p.add_argument("--one-by-one", action="store_true", help="compute devices one by one instead of batched")
     p.add_argument("--profile", action="store_true", help="one more block under cProfile: seconds per phase")
     p.add_argument(
@@ -223,12 +230,14 @@ def _run_rounds(args: argparse.Namespace) -> int:
         overrides=tuple(args.overrides),
         profile=args.profile,
         warmup=args.warmup,
+        protocol=args.protocol,
     )
     if args.json:
         print(json.dumps(row, indent=2))
     else:
+        name = "FDML" if args.protocol == "fdml" else "FL-traditional"
         print(
-            f"FDML rounds/s: {row['rounds_per_second']:.2f} (median of {row['rounds_per_second_runs']}); "
+            f"{name} rounds/s: {row['rounds_per_second']:.2f} (median of {row['rounds_per_second_runs']}); "
             f"15,000 rounds take {row['seconds_for_15000_rounds'] / 60:.0f} min; "
             f"{row['bytes_up_per_round'] / 2**20:.1f} MiB up, "
             f"{row['bytes_down_per_round'] / 2**20:.1f} MiB down per round; "

@@ -63,7 +63,9 @@ class CommStats:
     """Counters a runtime keeps; protocols difference them to report a round.
 
     ``bytes_down`` counts server -> client bytes, ``bytes_up`` client -> server bytes, each message
-    counted once per recipient/sender exactly as its encoded length. ``sim_seconds`` is the
+    counted once per recipient/sender exactly as its encoded length; ``bytes_down_coded`` counts the
+    server -> client bytes encoded, each distinct message once (a broadcast is encoded once for all its
+    recipients). ``sim_seconds`` is the
     runtime's clock (virtual in simulation, wall time on a network). ``timings`` holds one
     :class:`DeviceTiming` per reply received by a runtime with real clocks; the caller drains it
     (``copy()`` leaves it out, so snapshots stay cheap over long runs).
@@ -76,16 +78,18 @@ class CommStats:
     sim_seconds: float = 0.0
     dropouts: list[Dropout] = field(default_factory=list)
     timings: list[DeviceTiming] = field(default_factory=list)
+    bytes_down_coded: int = 0
 
     def copy(self) -> CommStats:
         """A snapshot that later traffic does not change."""
         return CommStats(
-            self.bytes_down,
-            self.bytes_up,
-            self.messages_down,
-            self.messages_up,
-            self.sim_seconds,
-            list(self.dropouts),
+            bytes_down=self.bytes_down,
+            bytes_up=self.bytes_up,
+            messages_down=self.messages_down,
+            messages_up=self.messages_up,
+            sim_seconds=self.sim_seconds,
+            dropouts=list(self.dropouts),
+            bytes_down_coded=self.bytes_down_coded,
         )
 
 

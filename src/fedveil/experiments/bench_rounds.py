@@ -2,7 +2,10 @@
 
 Measures whole rounds (selection, codec round trips of every message, client forward and backward
 passes, enclave loss and derivatives, Eq. 2, Adam) at the paper's TouchAuth setting (64
-participants x 8 samples) on the full synthetic population, after a warm-up.
+participants x 8 samples) on the full synthetic population, after a warm-up. ``protocol="fedavg"``
+measures Table I's FL-traditional baseline the same way (64 devices x 8 samples, one local SGD step,
+FedAvg's weighted average), with a floor of its own: the devices' FLOPs at the peak GEMM rate, every
+message encoded and decoded once, and one read of every reply for the average.
 
 The floor (issue: FDML at the paper's scale, "know the floor") is measured in the same run:
 
@@ -11,9 +14,11 @@ The floor (issue: FDML at the paper's scale, "know the floor") is measured in th
   client pool's calls, not estimated;
 - ``peak_gemm_gflops``: a large square float32 matmul at the same thread count (the machine's best case);
 - ``alg1_seconds``: the enclave's Alg. 1 on the round's embeddings (participants x samples, 64-d);
-- ``sealed_bytes_per_round`` (uploads and the derivatives: what crosses the enclave channel) at the
-  measured AES-256-GCM rate, and ``copied_bytes_per_round`` (an upper bound: every metered byte encoded
-  and decoded once) at the measured memcpy rate;
+- ``sealed_bytes_per_round``: the uploads and the derivatives (what crosses the enclave channel), each
+  byte sealed once and opened once, at the measured AES-256-GCM rate;
+- ``copied_bytes_per_round`` at the measured memcpy rate: every distinct message written once and read
+  once (a broadcast is encoded once for all its recipients: ``bytes_down_coded_per_round``, not the
+  metered ``bytes_down_per_round``), and the aggregation's one read of every upload (Eq. 2);
 - ``floor_seconds`` = device FLOPs at the peak GEMM rate + Alg. 1 + sealing + copying, and
   ``fraction_of_floor`` = floor_seconds / measured seconds per round (1.0 would be a round at the floor).
 """
@@ -30,6 +35,7 @@ import numpy as np
 import torch
 
 from fedveil.core.heap import retain_freed_memory
+from fedveil.errors import ConfigError
 from fedveil.experiments.config import load_config
 from fedveil.experiments.runner import EMBEDDING_DIM, build_population, build_trainer
 
@@ -43,18 +49,21 @@ def bench_rounds(
     overrides: tuple[str, ...] = (),
     profile: bool = False,
     warmup: int = 60,
+    protocol: str = "fdml",
 ) -> dict[str, Any]:
-    """Median rounds per second over ``repeats`` timed blocks of ``rounds`` rounds each, after ``warmup``
-    untimed training rounds; ``profile`` adds one more block of ``rounds`` rounds under cProfile and
-    reports seconds per round by phase.
+    """Median rounds per second of ``protocol`` (``fdml`` or ``fedavg``, FL-traditional) over ``repeats``
+    timed blocks of ``rounds`` rounds each, after ``warmup`` untimed training rounds; ``profile`` adds one
+    more block of ``rounds`` rounds under cProfile and reports seconds per round by phase.
 
     The warm-up matters: Alg. 1's cost depends on the embeddings. From the initial model every valid
     triplet is active and the enclave's step 5 is cheapest; after some 30-50 rounds of training the
     embeddings spread out, part of the triplets fall inactive, and step 5 settles at its long-run cost.
     """
+    if protocol not in PROTOCOL_PHASES:
+        raise ConfigError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOL_PHASES)}")
     torch.set_num_threads(threads)
     retain_freed_memory()
-    cfg = load_config(None, ["protocol=fdml", f"runtime.batched={str(batched).lower()}", *overrides])
+    cfg = load_config(None, [f"protocol={protocol}", f"runtime.batched={str(batched).lower()}", *overrides])
     population = build_population(cfg)
     trainer = build_trainer(cfg, population)
     rates: list[float] = []
@@ -75,7 +84,7 @@ def bench_rounds(
             rates.append(rounds / (time.perf_counter() - start))
         warm["stats"] = _stats_minus(trainer.runtime.stats().copy(), warm["stats"])
         if profile:
-            warm["profile"] = await _profile_rounds(trainer, rnd, rounds)
+            warm["profile"] = await _profile_rounds(trainer, rnd, rounds, protocol)
 
     try:
         asyncio.run(go())
@@ -85,22 +94,30 @@ def bench_rounds(
     rate = statistics.median(rates)
     bytes_up = warm["stats"].bytes_up / timed
     bytes_down = warm["stats"].bytes_down / timed
+    coded_down = warm["stats"].bytes_down_coded / timed
+    if protocol == "fdml":
+        participants, samples = cfg.fdml.num_required, cfg.fdml.samples_per_client
+        # sealed: what devices upload (embeddings, gradients) and the derivatives sent back, each byte
+        # sealed once and opened once; the weights broadcast travels in plaintext
+        sealed = bytes_up + participants * samples * EMBEDDING_DIM * 4
+        sealed_bytes = 2 * sealed if cfg.enclave.boundary != "none" else 0.0
+    else:
+        participants, samples = cfg.fedavg.clients_per_round, cfg.fedavg.samples_per_client
+        sealed_bytes = 0.0  # FL-traditional has no enclave
     floor = _floor(
         flops=warm["flops"],
-        embeddings=cfg.fdml.num_required * cfg.fdml.samples_per_client,
-        # sealed: what devices upload (embeddings, gradients) and the derivatives sent back; the weights
-        # broadcast travels in plaintext
-        sealed_bytes=bytes_up + cfg.fdml.num_required * cfg.fdml.samples_per_client * EMBEDDING_DIM * 4
-        if cfg.enclave.boundary != "none"
-        else 0.0,
-        copied_bytes=2 * (bytes_up + bytes_down),
+        embeddings=participants * samples if protocol == "fdml" else 0,
+        sealed_bytes=sealed_bytes,
+        # every distinct message written once and read once, and the aggregation's read of every upload
+        # (Eq. 2 in the enclave, FedAvg's average on the server)
+        copied_bytes=2 * (bytes_up + coded_down) + bytes_up,
         threads=threads,
     )
     return {
-        "protocol": "fdml",
-        "enclave_boundary": cfg.enclave.boundary,
-        "participants": cfg.fdml.num_required,
-        "samples": cfg.fdml.samples_per_client,
+        "protocol": protocol,
+        "enclave_boundary": cfg.enclave.boundary if protocol == "fdml" else "none",
+        "participants": participants,
+        "samples": samples,
         "batched": batched,
         "threads": threads,
         "warmup_rounds": warmup,
@@ -109,6 +126,7 @@ def bench_rounds(
         "seconds_for_15000_rounds": 15000 / rate,
         "bytes_up_per_round": bytes_up,
         "bytes_down_per_round": bytes_down,
+        "bytes_down_coded_per_round": coded_down,
         **floor,
         "device_gflops_achieved": warm["flops"] / 1e9 * rate,
         "fraction_of_floor": floor["floor_seconds"] * rate,
@@ -120,10 +138,11 @@ def _stats_minus(after: Any, before: Any) -> Any:
     """Traffic of the timed blocks alone (a profiled block may follow them)."""
     after.bytes_up -= before.bytes_up
     after.bytes_down -= before.bytes_down
+    after.bytes_down_coded -= before.bytes_down_coded
     return after
 
 
-#: Phases of a round and the functions whose cumulative time makes each (``(module suffix, name)``);
+#: Phases of an FDML round and the functions whose cumulative time makes each (``(module suffix, name)``);
 #: a phase's own time excludes the phases nested in it (the embeddings' sealing inside the forward
 #: phase, the derivatives' opening inside the backward phase, the codec inside the runtime). Gradients
 #: are sealed as the runtime takes each upload (a ``Deferred`` reply), outside the backward phase, and
@@ -144,12 +163,22 @@ PHASES: dict[str, tuple[tuple[str, str], ...]] = {
     "codec": (("core/codec.py", "encode"), ("core/codec.py", "decode")),
 }
 
+#: Phases of an FL-traditional round: the devices' local step (each device's sampling included), FedAvg's
+#: weighted average and the codec; ``other`` is selection, validation and Python.
+FEDAVG_PHASES: dict[str, tuple[tuple[str, str], ...]] = {
+    "device_step": (("protocols/fedavg.py", "_train"),),
+    "aggregation": (("core/aggregation.py", "weighted_average"),),
+    "codec": (("core/codec.py", "encode"), ("core/codec.py", "decode")),
+}
 
-async def _profile_rounds(trainer: Any, first: int, rounds: int) -> dict[str, float]:
-    """Seconds per round by phase, from cProfile's cumulative times over ``rounds`` rounds. The enclave
-    phases are what the host waits for (the pipe, the enclave's work and its sealing); ``other`` is the
-    rest of the round (selection, validation, Python). cProfile slows Python code, so the shares are
-    indicative; ``profiled_round_seconds`` says by how much."""
+PROTOCOL_PHASES = {"fdml": PHASES, "fedavg": FEDAVG_PHASES}
+
+
+async def _profile_rounds(trainer: Any, first: int, rounds: int, protocol: str = "fdml") -> dict[str, float]:
+    """Seconds per round by phase (:data:`PROTOCOL_PHASES`), from cProfile's cumulative times over
+    ``rounds`` rounds. FDML's enclave phases are what the host waits for (the pipe, the enclave's work and
+    its sealing); ``other`` is the rest of the round (selection, validation, Python). cProfile slows
+    Python code, so the shares are indicative; ``profiled_round_seconds`` says by how much."""
     import cProfile
     import pstats
 
@@ -172,6 +201,11 @@ async def _profile_rounds(trainer: Any, first: int, rounds: int) -> dict[str, fl
             / rounds
         )
 
+    if protocol == "fedavg":
+        out = {phase: cumulative(keys) for phase, keys in FEDAVG_PHASES.items()}
+        out["other"] = total - sum(out.values())
+        out["profiled_round_seconds"] = total
+        return out
     raw = {phase: cumulative(keys) for phase, keys in PHASES.items()}
     sealing = raw["device_sealing"]
     out = {
@@ -204,7 +238,7 @@ async def _count_device_flops(trainer: Any, rnd: int) -> float:
     inner = pool.handle_batch
     total = [0]
     batched = pool.batched
-    if not hasattr(pool.flat.module, "trace"):
+    if not (hasattr(pool.flat.module, "trace") or getattr(pool, "written_backward", False)):
         pool.batched = False
 
     def counted(msgs: Any) -> Any:
@@ -238,7 +272,7 @@ def _median_seconds(fn: Any, repeats: int = 5) -> float:
 def _floor(
     *, flops: float, embeddings: int, sealed_bytes: float, copied_bytes: float, threads: int
 ) -> dict[str, float]:
-    """The floor's parts, each measured here (module docstring)."""
+    """The floor's parts, each measured here (module docstring); no Alg. 1 without ``embeddings`` (FedAvg)."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     from fedveil.enclave.triplet import loss_and_derivatives
@@ -250,7 +284,11 @@ def _floor(
     rng = np.random.default_rng(0)
     emb = rng.normal(size=(embeddings, 64)).astype(np.float32)
     labels = np.repeat(np.arange(embeddings // 8 or 1), 8)[:embeddings]
-    alg1 = _median_seconds(lambda: loss_and_derivatives(emb, labels, margin=1.0, strategy="batch-all"))
+    alg1 = (
+        _median_seconds(lambda: loss_and_derivatives(emb, labels, margin=1.0, strategy="batch-all"))
+        if embeddings
+        else 0.0
+    )
     block = os.urandom(2**20)
     aes, nonce = AESGCM(os.urandom(32)), os.urandom(12)
     aes_rate = len(block) / _median_seconds(lambda: aes.encrypt(nonce, block, None))

@@ -238,6 +238,7 @@ class FlowerRuntime:
         for cid, msg in msgs.items():
             if id(msg) not in encoded:
                 encoded[id(msg)] = codec.encode(msg)
+                self._stats.bytes_down_coded += len(encoded[id(msg)])
             data = encoded[id(msg)]
             self._stats.bytes_down += len(data)
             self._stats.messages_down += 1

@@ -147,6 +147,7 @@ class SimulationRuntime:
                 if self.tap is not None:
                     self.tap("to_client", data)
                 cache[key] = (len(data), codec.decode(data, expected=type(msg)))
+                self._stats.bytes_down_coded += len(data)
             size, copy = cache[key]
             self._stats.bytes_down += size
             self._stats.messages_down += 1

@@ -275,6 +275,7 @@ class NetworkRuntime:
                 rid, sent_at = next(self._ids), time.time()
                 frame = codec.encode(wire.ServerRequest(rid, phase, float(timeout), sent_at, payload))
                 frames[id(msg)] = (rid, frame, len(payload), sent_at)
+                self._stats.bytes_down_coded += len(payload)
             rid, frame, size, sent_at = frames[id(msg)]
             fut: asyncio.Future[tuple[wire.AgentReply, float]] = loop.create_future()
             self._waiting[(cid, rid)] = _Waiting(cid, phase, sent_at, size, fut)
