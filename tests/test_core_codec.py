@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedveil.core.codec import MAGIC, decode, encode, encode_with_slot, encoded_size
+from fedveil.core.codec import MAGIC, decode, encode, encode_frames_with_slot, encode_with_slot, encoded_size
 from fedveil.core.messages import ARRAY_DTYPES, array_field, message
 from fedveil.errors import CodecError
 
@@ -250,13 +250,47 @@ def test_a_slot_written_by_the_caller_gives_the_bytes_of_encode(
     assert decode(frame).record.tobytes() == record
 
 
-def test_encode_with_slot_wants_a_flat_uint8_field() -> None:
+def test_encode_with_slot_wants_a_flat_array_field() -> None:
     msg = Slotted(1, np.zeros(2, np.float32), np.zeros(3, np.uint8))
-    for field in ("before", "after", "round", "nothing"):
+    for field in ("after", "round", "nothing"):
         with pytest.raises(CodecError, match=f"test.codec.slotted.{field}: encode_with_slot needs"):
             encode_with_slot(msg, field)
     with pytest.raises(CodecError, match="dtype float64"):
         encode_with_slot(Slotted(1, np.zeros(2), np.zeros(3, np.uint8)), "record")
+    with pytest.raises(CodecError, match="needs a count >= 1"):
+        encode_frames_with_slot(msg, "record", 0)
+
+
+@PROPERTY
+@given(
+    rnd=st.integers(0, 2**40),
+    count=st.integers(1, 5),
+    n=st.integers(0, 9),
+    record=st.binary(max_size=13),
+    after=st.binary(max_size=11),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_frames_whose_float_slots_are_written_as_one_matrix_are_encode_s_bytes(
+    rnd: int, count: int, n: int, record: bytes, after: bytes, seed: int
+) -> None:
+    """``encode_frames_with_slot`` lays out ``count`` messages in one buffer and leaves a float32 field to
+    the caller, who writes all of them as the rows of one ``(count, n)`` matrix (FL-traditional's new
+    weights): each frame is then ``encode`` of its message, and a non-finite value written there is
+    refused by ``decode`` (the receiver's check)."""
+    template = Slotted(rnd, np.zeros(n, np.float32), np.frombuffer(record, np.uint8), after)
+    frames, slots = encode_frames_with_slot(template, "before", count)
+    rows = slots.view(np.float32)
+    assert rows.shape == (count, n) and frames.shape[1] % 8 == 0 and rows.ctypes.data % 8 == 0
+    values = np.random.default_rng(seed).normal(size=(count, n)).astype(np.float32)
+    rows[:] = values
+    for i in range(count):
+        want = encode(Slotted(rnd, values[i], np.frombuffer(record, np.uint8), after))
+        assert frames[i].tobytes() == want
+        np.testing.assert_array_equal(decode(memoryview(frames[i])).before, values[i])
+    if n:
+        rows[count - 1, n - 1] = np.nan
+        with pytest.raises(CodecError, match="non-finite"):
+            decode(memoryview(frames[count - 1]))
 
 
 @PROPERTY

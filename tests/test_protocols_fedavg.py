@@ -12,13 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedveil.core import codec
 from fedveil.core.aggregation import weighted_average
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
 from fedveil.protocols import fedavg
 from fedveil.protocols.fedavg import EmbeddingClassifier, FedAvgClients, FedAvgConfig, FedAvgServer
-from fedveil.protocols.messages import TrainRequest
+from fedveil.protocols.messages import TrainReply, TrainRequest
 from fedveil.runtime.simulation import LatencyModel, PhaseFaults, SimulationRuntime
 
 CFG = FedAvgConfig(clients_per_round=4, samples_per_client=3, lr=0.1)
@@ -88,6 +89,47 @@ def test_written_backward_equals_vmap_per_device(toy_population, monkeypatch, lo
             torch.from_numpy(got[c].weights), torch.from_numpy(expected[c].weights), rtol=1e-5, atol=1e-6
         )
         assert not np.array_equal(got[c].weights, w)
+
+
+def test_encoded_replies_are_the_bytes_of_the_replies(toy_population, monkeypatch) -> None:
+    """With ``encoded_replies`` (the in-process simulation) a one-step cohort writes its new weights
+    straight into its replies' frames: each is byte for byte ``encode`` of the reply the plain pool
+    gives, whole rounds end at the same weights bit for bit, and a non-finite weight written there is a
+    dropout when the runtime decodes it."""
+    torch.manual_seed(0)
+    ids = toy_population.train_user_ids()
+    flat = FlatModel(EmbeddingClassifier(TouchAuthNet(), 64, len(ids)))
+    attrs = {u: dict(toy_population.train.user(u).attributes) for u in ids}
+    plain = FedAvgClients(toy_population, flat, attributes=attrs, seed=0)
+    framed = FedAvgClients(toy_population, flat, attributes=attrs, seed=0, encoded_replies=True)
+    w = flat.initial()
+    msgs = {c: TrainRequest(3, 0.1, 5, 1, w) for c in ids[2:9]}
+    want, got = plain.handle_batch(msgs), framed.handle_batch(msgs)
+    for c in msgs:
+        assert isinstance(got[c], memoryview) and bytes(got[c]) == codec.encode(want[c])
+    two = {c: TrainRequest(3, 0.1, 5, 2, w) for c in ids[2:4]}  # two steps: vmap, plain replies
+    assert all(isinstance(r, TrainReply) for r in framed.handle_batch(two).values())
+
+    def run(encoded: bool, rounds: int = 3) -> np.ndarray:
+        server, rt, pool, _ = _setup(toy_population)
+        pool.encoded_replies = encoded
+        _rounds(server, rt, rounds)
+        return server.weights
+
+    np.testing.assert_array_equal(run(True), run(False))
+    step = FedAvgClients._traced_sgd_step
+
+    def poisoned(self, *args, out=None):
+        new = step(self, *args, out=out)
+        new[0, 5] = float("nan")
+        return new
+
+    monkeypatch.setattr(FedAvgClients, "_traced_sgd_step", poisoned)
+    server, rt, pool, _ = _setup(toy_population)
+    pool.encoded_replies = True
+    report = _rounds(server, rt, 1)[0]
+    assert report.dropouts == {"train": 1} and report.gradients == 3
+    assert "non-finite" in rt.stats().dropouts[0].reason
 
 
 def test_written_backward_gradient_is_each_devices_autograd(toy_population) -> None:

@@ -311,34 +311,54 @@ def encode(msg: Message) -> bytes:
 
 
 def encode_with_slot(msg: Message, field: str) -> tuple[memoryview, np.ndarray]:
-    """``encode(msg)`` but for the bytes of ``field`` (a 1-D ``uint8`` array field), which are left for
-    the caller to write: returns the message's buffer and a writable view of that field's bytes in it.
+    """``encode(msg)`` but for the bytes of ``field`` (a 1-D array field), which are left for the caller
+    to write: returns the message's buffer and a writable ``uint8`` view of that field's bytes in it.
 
-    Only the field's length is taken from ``msg`` (pass ``np.empty(n, np.uint8)``: it is never read).
-    Until the caller has written the whole slot, those bytes of the buffer are undefined. A device that
-    encrypts its upload straight into the slot (FDML's sealed gradient) saves one copy of the payload
-    and the zeroing of a separate record; the bytes are then exactly ``encode`` of the finished message.
+    Only the field's dtype and length are taken from ``msg`` (pass ``np.zeros(n, dtype)``: its values are
+    never written out). Until the caller has written the whole slot, those bytes of the buffer are
+    undefined. A device that encrypts its upload straight into the slot (FDML's sealed gradient) saves one
+    copy of the payload and the zeroing of a separate record; the bytes are then exactly ``encode`` of the
+    finished message. What the caller writes is not validated here: the receiver's ``decode`` checks it
+    (for a float field, finiteness) as it checks every message.
+    """
+    frames, slots = encode_frames_with_slot(msg, field, 1)
+    return memoryview(frames[0]), slots[0]
+
+
+def encode_frames_with_slot(msg: Message, field: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` encodings of ``msg`` back to back in one buffer, each but for the bytes of ``field`` (as
+    :func:`encode_with_slot`): returns the frames ``(count, frame_bytes)`` and the slots
+    ``(count, field_bytes)``, both ``uint8`` and views of the same buffer.
+
+    Frames are 8-byte multiples and every slot starts at an 8-byte boundary, so ``slots.view(dtype)`` is
+    a ``(count, n)`` array of the field's dtype whose rows are the messages' fields: a client pool that
+    computes ``count`` devices' uploads as the rows of one matrix writes them straight into their
+    messages (FL-traditional's new weights), and ``frames[i]`` is then exactly ``encode`` of device
+    ``i``'s message.
     """
     spec = _spec_of(msg)
     chosen = next((f for f in spec.fields if f.name == field), None)
-    if chosen is None or chosen.array is None or chosen.array.dtype != "uint8" or chosen.array.ndim != 1:
-        raise CodecError(f"{spec.name}.{field}: encode_with_slot needs a 1-D uint8 array field")
+    if chosen is None or chosen.array is None or chosen.array.ndim != 1:
+        raise CodecError(f"{spec.name}.{field}: encode_with_slot needs a 1-D array field")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise CodecError(f"{spec.name}: {count!r} frames; encode_frames_with_slot needs a count >= 1")
     header, buffers = _plan(msg)
     start = _align(_PREFIX.size + len(header))
-    frame = np.empty(start + sum(_align(nbytes) for _, _, nbytes in buffers), np.uint8)
+    size = start + sum(_align(nbytes) for _, _, nbytes in buffers)
+    frames = np.empty((count, size), np.uint8)
     head = _PREFIX.pack(MAGIC, len(header)) + header
-    frame[: len(head)] = np.frombuffer(head, np.uint8)
-    frame[len(head) : start] = 0
-    slot = frame[:0]
+    frames[:, : len(head)] = np.frombuffer(head, np.uint8)
+    frames[:, len(head) : start] = 0
+    slots = frames[:, :0]
     at = start
     for name, buffer, nbytes in buffers:
         if name == field:
-            slot = frame[at : at + nbytes]
+            slots = frames[:, at : at + nbytes]
         else:
-            frame[at : at + nbytes] = np.frombuffer(buffer, np.uint8, count=nbytes)
-        frame[at + nbytes : _align(at + nbytes)] = 0
+            frames[:, at : at + nbytes] = np.frombuffer(buffer, np.uint8, count=nbytes)
+        frames[:, at + nbytes : _align(at + nbytes)] = 0
         at = _align(at + nbytes)
-    return memoryview(frame), slot
+    return frames, slots
 
 
 def encoded_size(msg: Message) -> int:

@@ -145,9 +145,10 @@ def build_clients(
 ) -> Any:
     """The device side of ``cfg.protocol`` for ``population``: the client pool the simulation runs
     in-process and a device agent hosts (the same code either way). ``sessions`` are the devices'
-    attested enclave sessions (FDML through the emulated TEE); ``defer_uploads``: FDML devices seal
-    their gradients as the simulation runtime takes each upload (:class:`~fedveil.core.communicator.
-    Deferred`), not all before the first."""
+    attested enclave sessions (FDML through the emulated TEE); ``defer_uploads`` (the in-process
+    simulation): FDML devices seal their gradients as the simulation runtime takes each upload
+    (:class:`~fedveil.core.communicator.Deferred`), not all before the first, and FL-traditional devices
+    write their new weights straight into their replies' bytes (``FedAvgClients(encoded_replies=True)``)."""
     ids = population.train_user_ids()
     attributes = {uid: dict(population.train.user(uid).attributes) for uid in ids}
     _, model = _models(cfg, len(ids))
@@ -159,7 +160,7 @@ def build_clients(
     }
     if cfg.protocol == "fdml":
         return FDMLClients(population, model, sessions=sessions, defer_uploads=defer_uploads, **common)
-    return FedAvgClients(population, model, **common)
+    return FedAvgClients(population, model, encoded_replies=defer_uploads, **common)
 
 
 def build_trainer(
