@@ -225,21 +225,24 @@ def test_weighted_average_is_fedavg() -> None:
     shape=st.sampled_from([(1,), (5,), (32768,), (70_001,), (3, 40_000)]),
     dtype=st.sampled_from([np.float32, np.float64, np.float16]),
     seed=st.integers(0, 2**32 - 1),
+    workers=st.integers(1, 4),
 )
 def test_weighted_average_equals_the_whole_vector_sum_bit_for_bit(
-    weights: list[int], shape: tuple[int, ...], dtype: type, seed: int
+    weights: list[int], shape: tuple[int, ...], dtype: type, seed: int, workers: int
 ) -> None:
-    """Averaged a cache-sized block at a time, FedAvg gives exactly what ``acc += (n_k / n) * w_k`` over
-    whole vectors gives, in float64, cast to float32."""
+    """Averaged a cache-sized block at a time, on one thread or split among several, FedAvg gives
+    exactly what ``acc += (n_k / n) * w_k`` over whole vectors gives, in float64, cast to float32."""
     rng = np.random.default_rng(seed)
     vectors = {f"c{i}": rng.normal(0, 3, shape).astype(dtype) for i in range(len(weights))}
     counts = {f"c{i}": w for i, w in enumerate(weights)}
     plain = np.zeros(shape, np.float64)
     for cid, v in vectors.items():
         plain += (counts[cid] / sum(weights)) * v
-    got = weighted_average(vectors, counts)
+    got = weighted_average(vectors, counts, workers=workers)
     assert got.dtype == np.float32 and got.shape == shape
     np.testing.assert_array_equal(got, plain.astype(np.float32))
+    with pytest.raises(ValidationError, match="workers 0 must be"):
+        weighted_average(vectors, counts, workers=0)
 
 
 def test_bad_settings() -> None:

@@ -103,9 +103,12 @@ ReplyCheck = Callable[[ClientId, Any], None]
 
 
 def fedavg_aggregate(rnd: int, results: Mapping[ClientId, FitResult], current: np.ndarray) -> np.ndarray:
-    """FedAvg (McMahan et al. 2017, Alg. 1): ``sum_k (n_k / n) w_k`` over the uploads."""
+    """FedAvg (McMahan et al. 2017, Alg. 1): ``sum_k (n_k / n) w_k`` over the uploads, on as many threads
+    as torch has (``runtime.threads``; the same bits on any number)."""
     return weighted_average(
-        {c: r.weights for c, r in results.items()}, {c: float(r.num_samples) for c, r in results.items()}
+        {c: r.weights for c, r in results.items()},
+        {c: float(r.num_samples) for c, r in results.items()},
+        workers=torch.get_num_threads(),
     )
 
 
