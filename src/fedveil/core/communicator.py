@@ -8,6 +8,7 @@ it is left out of the returned mapping and recorded with its reason, never raise
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -81,16 +82,8 @@ class CommStats:
     bytes_down_coded: int = 0
 
     def copy(self) -> CommStats:
-        """A snapshot that later traffic does not change."""
-        return CommStats(
-            bytes_down=self.bytes_down,
-            bytes_up=self.bytes_up,
-            messages_down=self.messages_down,
-            messages_up=self.messages_up,
-            sim_seconds=self.sim_seconds,
-            dropouts=list(self.dropouts),
-            bytes_down_coded=self.bytes_down_coded,
-        )
+        """A snapshot that later traffic does not change (without ``timings``)."""
+        return dataclasses.replace(self, dropouts=list(self.dropouts), timings=[])
 
 
 class Communicator(Protocol):
