@@ -98,3 +98,73 @@ def test_model_init_and_classifier_pool_reach_every_part(monkeypatch: pytest.Mon
         with pytest.raises(RuntimeError, match="stop after building"):
             run()
     assert calls == ["darknet", "darknet"]
+
+
+def test_e2e_rows_are_kept_attack_by_attack_and_dlg_target_by_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At VGG9 one DLG target takes half an hour: each target, the property attack and the membership
+    attacks are parts of their own, and a rerun reads every finished one. DLG's summary over the kept
+    targets is the one ``run_inversion`` gives over all of them; an earlier run's single ``e2e`` part is
+    still read."""
+    from fedveil.experiments import attack_runs
+
+    def score(auc: float) -> dict[str, float]:
+        return {"auc": auc, "precision": 0.5}
+
+    # the property and membership experiments have tests of their own; here they stand in, quickly
+    monkeypatch.setattr(
+        ppfl_attacks,
+        "run_property",
+        lambda **k: {"attacks": {"melis/target": score(0.9), "melis/control": score(0.5)}},
+    )
+    monkeypatch.setattr(
+        ppfl_attacks,
+        "run_membership",
+        lambda **k: {
+            "attacks": {f"{a}/{w}": score(0.6) for a in ("yeom", "nasr") for w in ("target", "control")}
+        },
+    )
+    images = _images()
+    small = {**TINY, "e2e": True, "dra_targets": 2}
+    summary = ppfl_attack_table(images=images, out=tmp_path, **small)
+    parts = sorted(p.name for p in (tmp_path / "parts").iterdir())
+    assert parts == [
+        "e2e-dra-0.json", "e2e-dra-1.json", "e2e-mia.json", "e2e-pia.json", "ppfl-kept.json",
+        "ppfl-released.json",
+    ]  # fmt: skip
+    whole = attack_runs.run_inversion(
+        "dlg", model=images.model, data=images.data, batch=1, targets=2, iterations=3, view="fedavg", seed=0
+    )
+    dra = summary["attacks"]["dra/e2e"]
+    assert dra["targets"] == 2 and dra["mse"] == whole["mse"] and dra["recovered"] == whole["recovered"]
+    for name in ("pia/e2e", "pia/e2e-control", "mia-yeom/e2e", "mia-nasr/e2e-control"):
+        assert 0 <= summary["attacks"][name]["auc"] <= 1
+    for name in ("run_inversion", "run_property", "run_membership", "train_ppfl"):
+        monkeypatch.setattr(ppfl_attacks, name, lambda *a, **k: pytest.fail("a finished part ran again"))
+    assert ppfl_attack_table(images=images, out=tmp_path, **small)["attacks"] == summary["attacks"]
+    # the single E2E part of earlier runs
+    for part in tmp_path.glob("parts/e2e-*.json"):
+        part.unlink()
+    saved = json.loads((tmp_path / "parts" / "ppfl-kept.json").read_text())
+    e2e_rows = {k: v for k, v in summary["attacks"].items() if k.endswith(("/e2e", "/e2e-control"))}
+    (tmp_path / "parts" / "e2e.json").write_text(
+        json.dumps({"settings": saved["settings"], "rows": e2e_rows})
+    )
+    assert ppfl_attack_table(images=images, out=tmp_path, **small)["attacks"] == summary["attacks"]
+
+
+def test_inversion_targets_one_at_a_time_are_the_whole_run_s() -> None:
+    from fedveil.experiments.attack_runs import run_inversion, summarize_targets
+
+    kw = {"data": "synthetic-fashion-mnist:1500", "targets": 3, "iterations": 2, "seed": 4}
+    whole = run_inversion("dlg", **kw)
+    parts = [run_inversion("dlg", **kw, only=(i,))["per_target"][0] for i in (2, 0, 1)]
+    by_target = sorted(parts, key=lambda r: r["target"])
+    keys = ("target", "mse", "psnr", "ssim", "label_accuracy", "iterations")
+    assert [{k: r[k] for k in keys} for r in by_target] == [
+        {k: r[k] for k in keys} for r in whole["per_target"]
+    ]
+    assert summarize_targets(by_target)["mse"] == whole["mse"]
+    with pytest.raises(ConfigError, match=r"only=\(3,\) must name targets among 0 \.\.\. 2"):
+        run_inversion("dlg", **kw, only=(3,))

@@ -26,6 +26,7 @@ import asyncio
 import copy
 import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -139,12 +140,15 @@ def run_inversion(
     out: Path | None = None,
     defence: str = "none",
     init: str = "torch",
+    only: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Invert ``targets`` client batches of ``batch`` test images with ``attack`` (``dlg``, ``idlg``, ``ig``).
 
     Target ``i`` uses a fresh model initialised with seed ``seed + i`` (the DLG paper's setting: an
     untrained network) and the images ``i * batch ... (i + 1) * batch - 1`` of a seeded shuffle of the
-    test split; ``init`` is how its parameters are drawn (:data:`fedveil.models.zoo.INITS`). Returns (and
+    test split; ``init`` is how its parameters are drawn (:data:`fedveil.models.zoo.INITS`). ``only``
+    computes just those of the ``targets`` (each exactly as in the full run: a long attack can be run and
+    kept one target at a time, and its rows summarised by :func:`summarize_targets`). Returns (and
     writes to ``out/attack_<name>.json``) the per-target and median metrics.
     """
     if attack not in INVERSIONS:
@@ -160,6 +164,9 @@ def run_inversion(
         )
     if batch < 1 or targets < 1:
         raise ConfigError(f"batch {batch!r} and targets {targets!r} must be >= 1")
+    chosen = list(range(targets)) if only is None else sorted(set(only))
+    if not chosen or any(not 0 <= i < targets for i in chosen):
+        raise ConfigError(f"only={only!r} must name targets among 0 ... {targets - 1}")
     images = load_image_dataset(data, "test", seed=seed)
     order = np.random.default_rng(seed).permutation(len(images))[: batch * targets]
     if len(order) < batch * targets:
@@ -171,7 +178,7 @@ def run_inversion(
     rows: list[dict[str, Any]] = []
     shown: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
     t0 = time.perf_counter()
-    for i in range(targets):
+    for i in chosen:
         idx = np.sort(order[i * batch : (i + 1) * batch])
         x = torch.from_numpy(np.array(images.x[idx]))
         y = torch.from_numpy(np.array(images.y[idx]))
@@ -230,25 +237,34 @@ def run_inversion(
         "view": view,
         "defence": defence,
         "batch": batch,
-        "targets": targets,
+        "targets": len(rows),
+        **summarize_targets(rows),
+        "seconds": time.perf_counter() - t0,
+        "per_target": rows,
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"attack_{attack}_batch{batch}" + ("" if defence == "none" else f"_{defence}")
+        if shown:
+            x, y, grid = _grid_result(shown if batch == 1 else shown[:1])
+            save_inversion_grid(out / f"{stem}.png", x, grid, original_labels=y)
+        _write_json(out / f"{stem}.json", summary)
+    return summary
+
+
+def summarize_targets(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The summary of per-target inversion rows (``run_inversion``'s ``per_target``): medians of MSE, PSNR
+    and SSIM, mean label accuracy, and how many targets were recovered (MSE <= 0.01)."""
+    return {
         "mse": float(np.median([r["mse"] for r in rows])),
         "psnr": float(np.median([r["psnr"] for r in rows])),
         "ssim": float(np.median([r["ssim"] for r in rows])),
         "label_accuracy": float(np.mean([r["label_accuracy"] for r in rows])),
         "recovered": int(sum(r["mse"] <= 0.01 for r in rows)),
         "iterations_per_second": float(np.median([r["iterations_per_second"] for r in rows])),
-        "seconds": time.perf_counter() - t0,
-        "per_target": rows,
         "metric_note": "mse, psnr, ssim: medians over targets of each target's mean over its batch, after "
         "the best matching of reconstructions to originals; recovered: targets with mse <= 0.01",
     }
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        x, y, grid = _grid_result(shown if batch == 1 else shown[:1])
-        stem = f"attack_{attack}_batch{batch}" + ("" if defence == "none" else f"_{defence}")
-        save_inversion_grid(out / f"{stem}.png", x, grid, original_labels=y)
-        _write_json(out / f"{stem}.json", summary)
-    return summary
 
 
 # --- membership inference ------------------------------------------------------------------------------

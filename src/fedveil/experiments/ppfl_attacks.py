@@ -20,8 +20,9 @@ and by PPFL with the last layer kept in the TEEs. An observer taps every byte of
   attack that model (the "adaptive" row). PPFL without the option releases the whole model (the
   "released" row), which shows what the TEE-kept last layer buys.
 
-With an output folder, each part (E2E's attacks, PPFL with the last layer kept, PPFL released) is written
-to ``parts/`` as it finishes, and a rerun with the same settings reads it instead of running it again.
+With an output folder, each part (DLG on each E2E target, E2E's property and membership attacks, PPFL with
+the last layer kept, PPFL released) is written to ``parts/`` as it finishes, and a rerun with the same
+settings reads it instead of running it again (an earlier run's single ``e2e`` part too).
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ from fedveil.attacks.pia_melis import melis_attack
 from fedveil.attacks.views import ModelView, NoPlaintextView
 from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
-from fedveil.experiments.attack_runs import membership_run, run_inversion, run_membership, run_property
+from fedveil.experiments.attack_runs import (
+    membership_run,
+    run_inversion,
+    run_membership,
+    run_property,
+    summarize_targets,
+)
 from fedveil.experiments.fedavg_images import FedAvgRun, split_images
 from fedveil.experiments.ppfl_runner import PpflRun, train_ppfl
 from fedveil.models.flat import FlatModel
@@ -126,18 +133,27 @@ def _attacker_head(
     return nn.Sequential(frozen, head.eval().requires_grad_(False))
 
 
+def _saved_part(out: Path | None, name: str, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The rows an earlier run with the same ``settings`` wrote to ``out/parts/<name>.json``, if any."""
+    path = None if out is None else out / "parts" / f"{name}.json"
+    if path is None or not path.is_file():
+        return None
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    if saved.get("settings") != settings:
+        raise ConfigError(
+            f"{path} was written by a run with other settings; use another --out or delete {path.parent}"
+        )
+    return dict(saved["rows"])
+
+
 def _part(out: Path | None, name: str, settings: dict[str, Any], compute: Any) -> dict[str, Any]:
     """The table rows of one part of the run: read from ``out/parts/<name>.json`` when an earlier run with
     the same ``settings`` finished it, else computed and written there (so an interrupted run resumes
     from the last finished part). Rows are stored as plain JSON (scores as their ``as_dict``)."""
+    saved = _saved_part(out, name, settings)
+    if saved is not None:
+        return saved
     path = None if out is None else out / "parts" / f"{name}.json"
-    if path is not None and path.is_file():
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        if saved.get("settings") != settings:
-            raise ConfigError(
-                f"{path} was written by a run with other settings; use another --out or delete {path.parent}"
-            )
-        return dict(saved["rows"])
     rows = {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in compute().items()}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,9 +214,9 @@ def ppfl_attack_table(
         "pia": [pia_clients, pia_rounds],
     }
 
-    def e2e_rows() -> dict[str, Any]:
-        """DRA, PIA, MIA on E2E FedAvg's plaintext views."""
-        rows: dict[str, Any] = {}
+    def dra_target(i: int) -> dict[str, Any]:
+        """DLG on target ``i`` of E2E FedAvg's batch-1 uploads (one part per target: each takes long at
+        VGG9)."""
         dra = run_inversion(
             "dlg",
             model=images.model,
@@ -211,10 +227,12 @@ def ppfl_attack_table(
             view="fedavg",
             seed=images.seed,
             init=images.model_init,
+            only=(i,),
         )
-        rows["dra/e2e"] = {
-            k: dra[k] for k in ("attack", "view", "mse", "psnr", "ssim", "recovered", "targets")
-        }
+        return {"row": dra["per_target"][0]}
+
+    def pia_rows() -> dict[str, Any]:
+        """Melis et al.'s property inference on E2E FedAvg's plaintext updates, and its control."""
         pia = run_property(
             data=images.data,
             model=images.model,
@@ -223,8 +241,11 @@ def ppfl_attack_table(
             seed=images.seed,
             init=images.model_init,
         )
-        rows["pia/e2e"] = pia["attacks"]["melis/target"]
-        rows["pia/e2e-control"] = pia["attacks"]["melis/control"]
+        return {"pia/e2e": pia["attacks"]["melis/target"], "pia/e2e-control": pia["attacks"]["melis/control"]}
+
+    def mia_rows() -> dict[str, Any]:
+        """Yeom and Nasr-style membership inference on E2E FedAvg's released model, and their control."""
+        rows: dict[str, Any] = {}
         mia = run_membership(attacks=("yeom", "nasr"), run=images, seed=images.seed, progress=progress)
         for key, value in mia["attacks"].items():
             name, which = key.split("/")
@@ -232,7 +253,23 @@ def ppfl_attack_table(
         return rows
 
     if e2e:
-        table.update(_part(out, "e2e", settings, e2e_rows))
+        earlier = _saved_part(out, "e2e", settings)  # the E2E rows as one part, as earlier runs kept them
+        if earlier is not None:
+            table.update(earlier)
+        else:
+            per_target = [
+                _part(out, f"e2e-dra-{i}", settings, lambda i=i: dra_target(i))["row"]
+                for i in range(dra_targets)
+            ]
+            summary = summarize_targets(per_target)
+            table["dra/e2e"] = {
+                "attack": "dlg",
+                "view": "fedavg",
+                "targets": dra_targets,
+                **{k: summary[k] for k in ("mse", "psnr", "ssim", "recovered")},
+            }
+            table.update(_part(out, "e2e-pia", settings, pia_rows))
+            table.update(_part(out, "e2e-mia", settings, mia_rows))
     # --- PPFL: what its observer sees ---
     split = split_images(images)
     shape = split.members.image_shape
