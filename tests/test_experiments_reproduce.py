@@ -40,6 +40,10 @@ def test_table1_runs_and_resumes(tmp_path: Path) -> None:
     md = (tmp_path / "table1" / "summary.md").read_text()
     assert "| TouchAuth | FDML |" in md and "80.88" in md and "71.40" in md
     assert json.loads((tmp_path / "table1" / "summary.json").read_text())["overrides"] == TINY
+    # each cell's run recorded the code it ran on, and the summary names it
+    commit = summary["code"]["git_commit"]
+    assert summary["cell_commits"] == [commit or "unrecorded"]
+    assert f"Code the cells ran on (git commit): {commit[:12] if commit else 'unrecorded'}." in md
     again: list[str] = []
     reproduce("table1", configs=CONFIGS, out=tmp_path, overrides=TINY, jobs=1, threads=1, echo=again.append)
     assert sum("kept" in line for line in again) == 3

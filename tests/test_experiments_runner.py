@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fedveil.cli import main
+from fedveil.core.provenance import code_identity
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import load_config
 from fedveil.experiments.runner import run_experiment
@@ -38,6 +39,7 @@ def test_run_directory_is_complete(tmp_path: Path, toy_population, protocol: str
     assert 0 <= results["accuracy_percent"] <= 100 and 0 <= results["eer"] <= 1
     assert results["bytes_up"] == sum(r["bytes_up"] for r in rounds)
     assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert results["code"] == code_identity()  # which code ran (tests/test_core_provenance.py)
     with np.load(tmp_path / "checkpoint.npz", allow_pickle=False) as ck:
         assert int(ck["round"]) == 4
     assert (tmp_path / "roc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from fedveil.core.atomic import atomic_write
+from fedveil.core.provenance import code_identity
 from fedveil.data.faces import FaceImages, face_devices, synthetic_faces
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import build_dataclass, read_yaml_mapping
@@ -265,7 +266,7 @@ def run_aiot(run: AiotRun, out_dir: str | Path, *, progress: bool = True) -> dic
     torch.set_num_threads(run.threads)
     settings = asdict(run)
     path = out / "results.json"
-    record: dict[str, Any] = {"run": settings, "results": {}}
+    record: dict[str, Any] = {"run": settings, "code": code_identity(), "results": {}}
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
         fixed = {k: v for k, v in saved.get("run", {}).items() if k not in ("trials", "methods", "threads")}

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from fedveil.core.provenance import code_identity
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv, writer_difficulty_probe
 from fedveil.errors import ConfigError
 from fedveil.eval.uv import DEFAULT_BINS, UV_EVALUATIONS, UvEvaluation, plot_uv_rocs
@@ -386,6 +387,7 @@ def run_feduv(
     say(f"data: {cfg.writers} writers, raw-pixel centroid AUC {probe.auc:.3f} ({took:.1f} s)")
     results: dict[str, Any] = {
         "name": cfg.name,
+        "code": code_identity(),
         "data": {
             "raw_pixel_probe_auc": probe.auc,
             "raw_pixel_probe_top1": probe.top1,

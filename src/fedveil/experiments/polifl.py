@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from fedveil.core.atomic import atomic_write
 from fedveil.core.communicator import Communicator
+from fedveil.core.provenance import code_identity
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import build_dataclass, read_yaml_mapping
 from fedveil.experiments.plots import plot_series
@@ -861,6 +862,7 @@ def run_polifl(
     chosen = strategies or run.strategies
     results: dict[str, Any] = {
         "name": run.name,
+        "code": code_identity(),
         "task": run.task,
         "description": task.description,
         "metric": task.metric,

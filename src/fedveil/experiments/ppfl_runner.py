@@ -51,6 +51,7 @@ from torch import nn
 from tqdm import tqdm
 
 from fedveil.core.atomic import atomic_write
+from fedveil.core.provenance import code_identity
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.data.images import ImageData
 from fedveil.errors import ConfigError
@@ -312,6 +313,7 @@ def run_ppfl(
     lines = [line for r in server.reports for line in r.rounds]
     results: dict[str, Any] = {
         "name": run.name,
+        "code": code_identity(),
         "data": split.train.describe(),
         "synthetic_data": split.train.synthetic,
         "model": run.model,

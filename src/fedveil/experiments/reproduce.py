@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedveil.core.provenance import code_identity
 from fedveil.errors import ConfigError
 
 
@@ -224,6 +225,7 @@ def reproduce(
             row["seeds"] = results
             row["stats"] = seed_stats(results)
         rows.append(row)
+    ran = [r for row in rows for r in (row["seeds"] if seeds > 1 else [row["results"]]) if r is not None]
     summary = {
         "table": table,
         "title": title,
@@ -231,6 +233,9 @@ def reproduce(
         "rounds_scale": rounds_scale,
         "seeds": seeds,
         "cells": rows,
+        "code": code_identity(),
+        # the commits the cells' runs recorded (a cell kept from an earlier invocation may differ)
+        "cell_commits": sorted({(r.get("code") or {}).get("git_commit") or "unrecorded" for r in ran}),
     }
     (base / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (base / "summary.md").write_text(format_summary(summary), encoding="utf-8")
@@ -337,6 +342,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     """A markdown table: ours beside the paper's for every cell, with EER, AUC and privacy where run; with
     several seeds, mean +- sample standard deviation and each seed's accuracy."""
     lines = [f"### {summary['title']}", ""]
+    if summary.get("cell_commits"):
+        commits = ", ".join(c if c == "unrecorded" else c[:12] for c in summary["cell_commits"])
+        lines += [f"Code the cells ran on (git commit): {commits}.", ""]
     if summary.get("rounds_scale", 1) > 1:
         lines += [f"Each cell at {summary['rounds_scale']}x its config's rounds.", ""]
     seeds = summary.get("seeds", 1)

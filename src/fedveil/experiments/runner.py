@@ -28,6 +28,7 @@ from tqdm import tqdm
 from fedveil.core.atomic import atomic_write
 from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuoteVerifier
 from fedveil.core.heap import retain_freed_memory
+from fedveil.core.provenance import code_identity
 from fedveil.data.cameraauth import cameraauth_from_folder, synthetic_cameraauth
 from fedveil.data.touch_csv import load_touch_population
 from fedveil.data.touchauth import TouchAuthConfig, generate_touchauth
@@ -588,6 +589,7 @@ def run_experiment(
         "real_seconds": real,
         "rounds_per_second": (totals["rounds"] - len(history)) / real if real > 0 else math.inf,
     }
+    results["code"] = code_identity()
     if resume and previous is not None:
         results["resumed_after_round"] = previous.round
     if privacy:
