@@ -54,7 +54,7 @@ from fedveil.core.messages import (
 )
 from fedveil.errors import CodecError
 
-__all__ = ["MAGIC", "decode", "encode", "encode_with_slot", "encoded_size"]
+__all__ = ["MAGIC", "decode", "encode", "encode_frames_with_slot", "encode_with_slot", "encoded_size"]
 
 MAGIC = b"FVL1"
 """The first four bytes of every encoded message (format version 1)."""
