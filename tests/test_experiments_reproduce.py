@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fedveil.errors import ConfigError
+from fedveil.experiments.checkpoint import load_checkpoint
 from fedveil.experiments.reproduce import TABLES, mean_std, reproduce, run_curves
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -144,3 +150,55 @@ def test_only_some_cells(tmp_path: Path) -> None:
     summary = reproduce("table1", configs=CONFIGS, out=tmp_path, overrides=TINY, only=[2], echo=print)
     assert [c["column"] for c in summary["cells"]] == ["FL (lr=0.1)"]
     assert not (tmp_path / "table1" / "table1_fdml").exists()
+
+
+def _interruptible(cmd: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+    """``cmd`` as a terminal would start it: SIGINT at its default (this test process may have inherited
+    it ignored, as a job started in the background of a non-interactive shell does)."""
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **kwargs,
+    )
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen[str], run_dir: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoint.npz").is_file():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.2)
+
+
+def test_ctrl_c_stops_a_reproduction_at_a_round_boundary_and_says_how_to_resume(tmp_path: Path) -> None:
+    """Ctrl-C on ``fedveil reproduce`` reaches its running ``fedveil run`` once; the run stops after the
+    round it is in (not at its next evaluation: there is none before its 100,000th round), queued runs
+    never start, and the message says how to resume."""
+    many = [*(x for x in TINY if not x.startswith("rounds=")), "rounds=100000"]
+    cmd = [sys.executable, "-m", "fedveil.cli", "reproduce", "table1", "--cells", "1", "--seeds", "2"]
+    cmd += ["--jobs", "1", "--threads", "1", "--configs", str(CONFIGS), "--out", str(tmp_path)]
+    for item in many:
+        cmd += ["--set", item]
+    proc = _interruptible(cmd)
+    first = tmp_path / "table1" / "table1_fdml" / "seed0"
+    try:
+        _wait_for_checkpoint(proc, first)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, err
+    assert "table1: interrupted" in err and "run the same command again" in err and "Traceback" not in err
+    ckpt = load_checkpoint(first)
+    assert ckpt is not None and 1 <= ckpt.round < 100000
+    assert not (first / "results.json").exists()
+    assert (
+        f"interrupted after round {ckpt.round}; continue with the same command and --resume"
+        in (first / "log.txt").read_text()
+    )
+    assert not (tmp_path / "table1" / "table1_fdml" / "seed1").exists(), "a queued run started"

@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fedveil.core.provenance import code_identity
-from fedveil.errors import ConfigError
+from fedveil.errors import ConfigError, RunInterrupted
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,44 @@ TABLES: dict[str, tuple[str, list[Cell]]] = {
 }
 
 
-def _run_cell(config: Path, out: Path, overrides: Sequence[str], threads: int) -> tuple[Path, float, str]:
+class _Children:
+    """The ``fedveil run`` processes in flight. Each runs in its own session, so that a terminal's
+    Ctrl-C reaches only :func:`reproduce`, which passes it on to each run exactly once
+    (:meth:`interrupt`); a run stops at the end of its round, checkpointed. Once interrupted, no
+    further run starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen[bytes]] = set()
+        self._stopping = False
+
+    def run(self, cmd: list[str], log: Any) -> int | None:
+        """Run ``cmd`` to its end and return its exit status; ``None`` if interrupted before it started."""
+        with self._lock:
+            if self._stopping:
+                return None
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self._procs.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+
+    def interrupt(self) -> None:
+        """Start no more runs and send each running one SIGINT (what Ctrl-C would have sent it)."""
+        with self._lock:
+            self._stopping = True
+            for proc in self._procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+
+
+def _run_cell(
+    config: Path, out: Path, overrides: Sequence[str], threads: int, children: _Children
+) -> tuple[Path, float, str]:
     """One ``fedveil run`` of ``config`` into ``out``: kept when it finished before, continued from its
-    checkpoint when it was cut off, else started."""
+    checkpoint when it was cut off, else started (unless ``children`` was interrupted)."""
     if (out / "results.json").is_file():
         return out, 0.0, "kept"
     cmd = [sys.executable, "-m", "fedveil.cli", "run", str(config), "--out", str(out), "--no-progress"]
@@ -127,7 +164,9 @@ def _run_cell(config: Path, out: Path, overrides: Sequence[str], threads: int) -
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(out / "log.txt", "a" if resumed else "w", encoding="utf-8") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        code = children.run(cmd, log)
+    if code is None:
+        return out, 0.0, "not started (interrupted)"
     status = "done" if code == 0 else f"failed (exit {code}, see {out / 'log.txt'})"
     return out, time.perf_counter() - start, f"{status} (resumed)" if resumed and code == 0 else status
 
@@ -208,11 +247,22 @@ def reproduce(
         for cell in cells
         for i, path in enumerate(seed_dirs(base, cell, seeds))
     ]
+    children = _Children()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(_run_cell, cfg_dir / c.config, d, extra, threads) for c, d, extra in runs]
-        for (cell, _, _), fut in zip(runs, futures, strict=True):
-            path, secs, status = fut.result()
-            echo(f"  {cell.row} / {cell.column}: {status} ({secs:.0f} s) -> {path}")
+        futures = [
+            pool.submit(_run_cell, cfg_dir / c.config, d, extra, threads, children) for c, d, extra in runs
+        ]
+        try:
+            for (cell, _, _), fut in zip(runs, futures, strict=True):
+                path, secs, status = fut.result()
+                echo(f"  {cell.row} / {cell.column}: {status} ({secs:.0f} s) -> {path}")
+        except KeyboardInterrupt:
+            children.interrupt()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise RunInterrupted(
+                f"{table}: interrupted; finished runs are kept and each cut-off run continues from its "
+                f"last round's checkpoint: run the same command again (out {base})"
+            ) from None
     rows = []
     for c in cells:
         results = []

@@ -531,6 +531,10 @@ def run_experiment(
                 metrics, roc = await asyncio.to_thread(evaluate, trainer, population, cfg.eval.seed)
                 evals.append((rnd, metrics["accuracy_percent"]))
                 _json_line(fh, {"eval": {"round": rnd, **metrics}})
+            # Ctrl-C cancels this task (asyncio.run), which takes effect only where it suspends; the
+            # simulated runtime's awaits never do, so without this an interrupt would wait for the next
+            # evaluation (or the last round): yield once a round, after its checkpoint
+            await asyncio.sleep(0)
         if not metrics:
             metrics, roc = await asyncio.to_thread(evaluate, trainer, population, cfg.eval.seed)
             _json_line(fh, {"eval": {"round": last, **metrics}})
