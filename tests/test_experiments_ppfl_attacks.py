@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from fedveil.errors import ConfigError
 from fedveil.experiments import ppfl_attacks
 from fedveil.experiments.attack_runs import membership_run
-from fedveil.experiments.fedavg_images import FedAvgRun
+from fedveil.experiments.fedavg_images import FedAvgRun, split_images
 from fedveil.experiments.ppfl_attacks import ppfl_attack_table
+from fedveil.experiments.ppfl_runner import train_ppfl
 
 TINY = {
     "aux_examples": 40,
@@ -168,3 +171,22 @@ def test_inversion_targets_one_at_a_time_are_the_whole_run_s() -> None:
     assert summarize_targets(by_target)["mse"] == whole["mse"]
     with pytest.raises(ConfigError, match=r"only=\(3,\) must name targets among 0 \.\.\. 2"):
         run_inversion("dlg", **kw, only=(3,))
+
+
+def test_a_ppfl_training_with_dropout_does_not_depend_on_what_ran_before_it() -> None:
+    """VGG9's classifier has dropout, trained in every PPFL stage: its masks must come from the run's seed,
+    not from whatever state torch's global generator was left in (Table 2's kept and released rows)."""
+    images = _images(model="vgg9")
+    cfg = ppfl_attacks.ppfl_like(images, classifier_pool="avg")
+    split = split_images(images)
+    released: list[list[np.ndarray]] = [[], []]
+    for state, values in zip((1, 2), released, strict=True):
+        torch.manual_seed(state)
+        train_ppfl(
+            ppfl_attacks._ppfl_run(images, cfg, 64),
+            split,
+            on_stage=lambda _r, v, out=values: out.append(v.copy()),
+        )
+    assert len(released[0]) == len(released[1]) > 1
+    for a, b in zip(*released, strict=True):
+        np.testing.assert_array_equal(a, b)

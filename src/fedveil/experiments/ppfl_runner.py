@@ -419,7 +419,12 @@ def train_ppfl(
     """Train PPFL on ``split``'s clients, with an evaluation device holding its test subset; ``tap`` sees
     every byte on the wire (an observer), ``progress`` every round's line, ``on_setup`` the server after
     registration and attestation, ``on_stage`` each stage's report and released values; ``resume`` and
-    ``start_round`` continue an interrupted run (:meth:`PpflServer.train`)."""
+    ``start_round`` continue an interrupted run (:meth:`PpflServer.train`).
+
+    Dropout's masks (VGG9's classifier, trained in every stage) come from torch's global generator, which
+    is seeded here with ``run.seed``, as :func:`~fedveil.experiments.fedavg_images.train_fedavg` seeds it:
+    the training is then the same whatever ran before it in the process."""
+    torch.manual_seed(run.seed)
     shape = split.members.image_shape
     model = _model(run, split.members.num_classes, shape[0], shape[1])
     data = FederatedDataset([*split.data, UserData(EVALUATOR, {}, {"x": split.test.x, "y": split.test.y})])
