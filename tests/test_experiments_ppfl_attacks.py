@@ -174,8 +174,8 @@ def test_inversion_targets_one_at_a_time_are_the_whole_run_s() -> None:
 
 
 def test_a_ppfl_training_with_dropout_does_not_depend_on_what_ran_before_it() -> None:
-    """VGG9's classifier has dropout, trained in every PPFL stage: its masks must come from the run's seed,
-    not from whatever state torch's global generator was left in (Table 2's kept and released rows)."""
+    """VGG9 has dropout layers, which its PPFL stages train: their masks must come from the run's seed, not
+    from whatever state torch's global generator was left in (Table 2's kept and released rows)."""
     images = _images(model="vgg9")
     cfg = ppfl_attacks.ppfl_like(images, classifier_pool="avg")
     split = split_images(images)

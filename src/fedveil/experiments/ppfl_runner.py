@@ -421,9 +421,9 @@ def train_ppfl(
     registration and attestation, ``on_stage`` each stage's report and released values; ``resume`` and
     ``start_round`` continue an interrupted run (:meth:`PpflServer.train`).
 
-    Dropout's masks (VGG9's classifier, trained in every stage) come from torch's global generator, which
-    is seeded here with ``run.seed``, as :func:`~fedveil.experiments.fedavg_images.train_fedavg` seeds it:
-    the training is then the same whatever ran before it in the process."""
+    Dropout's masks (VGG9's dropout layers, which its stages train) come from torch's global generator,
+    which is seeded here with ``run.seed``, as :func:`~fedveil.experiments.fedavg_images.train_fedavg`
+    seeds it: the training is then the same whatever ran before it in the process."""
     torch.manual_seed(run.seed)
     shape = split.members.image_shape
     model = _model(run, split.members.num_classes, shape[0], shape[1])
