@@ -76,7 +76,7 @@ def test_a_training_round_through_the_process_matches_the_direct_calls(enclave: 
     rng = np.random.default_rng(7)
     emb = {c: rng.standard_normal((5, 16)).astype(np.float32) for c in IDS}
     sealed = {c: enclave.relay(enclave.sessions[c].seal_embeddings(1, emb[c])) for c in IDS}
-    result = enclave.host.loss_and_derivatives(1, sealed)
+    result = enclave.host.loss_and_derivatives(1, sealed, shape=(5, 16))
     derivs = {c: enclave.sessions[c].open_derivatives(1, enclave.relay(result.derivatives[c])) for c in IDS}
 
     stacked = np.concatenate([emb[c] for c in IDS])
@@ -89,7 +89,7 @@ def test_a_training_round_through_the_process_matches_the_direct_calls(enclave: 
     grads = {c: rng.standard_normal(1000).astype(np.float32) for c in IDS}
     counts = dict.fromkeys(IDS, 5)
     sealed_grads = {c: enclave.relay(enclave.sessions[c].seal_gradient(1, grads[c])) for c in IDS}
-    aggregate = enclave.host.aggregate(1, sealed_grads, counts)
+    aggregate = enclave.host.aggregate(1, sealed_grads, counts, size=1000)
     assert np.array_equal(aggregate.gradient, aggregate_gradients(grads, counts))
 
     # The relay spy: no embedding, derivative or local-gradient plaintext in anything the host handled.
@@ -114,7 +114,7 @@ def test_an_oversized_request_is_refused_unread_and_the_enclave_keeps_serving(en
     big = {c: np.ones((64, 512), np.float32) for c in IDS}
     sealed = {c: enclave.sessions[c].seal_embeddings(2, big[c]) for c in IDS}
     with pytest.raises(EnclaveMemoryError):
-        enclave.host.loss_and_derivatives(2, sealed)
+        enclave.host.loss_and_derivatives(2, sealed, shape=(64, 512))
     reply, _ = unpack_frame(transport.request(pack_frame({"op": "nope"})))
     assert reply["error"] == "CodecError"
 
@@ -199,7 +199,7 @@ def test_large_requests_go_through_shared_memory_with_the_same_results(enclave: 
     assert sum(map(len, sealed.values())) > SHARED_MIN_BYTES
     transport._shared[: len(FRAME_MAGIC)] = bytes(len(FRAME_MAGIC))
     before = len(enclave.seen)
-    aggregate = enclave.host.aggregate(3, sealed, counts)
+    aggregate = enclave.host.aggregate(3, sealed, counts, size=30_000)
     assert aggregate.batches == 1
     assert transport._shared[: len(FRAME_MAGIC)] == FRAME_MAGIC, "the request was put in the shared region"
     assert np.array_equal(aggregate.gradient, aggregate_gradients(grads, counts))

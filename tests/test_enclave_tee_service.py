@@ -57,7 +57,9 @@ def test_derivatives_through_the_boundary_equal_the_direct_call(strategy: str) -
     ids = [f"c{i}" for i in range(6)]
     sessions = _sessions(host, platform, config, ids)
     emb = _embeddings(ids)
-    result = host.loss_and_derivatives(3, {c: sessions[c].seal_embeddings(3, emb[c]) for c in ids})
+    result = host.loss_and_derivatives(
+        3, {c: sessions[c].seal_embeddings(3, emb[c]) for c in ids}, shape=(4, 8)
+    )
     direct = _direct(emb, config)
     assert result.rejected == {}
     assert result.loss == direct.loss and result.num_active == direct.num_active > 0
@@ -72,7 +74,7 @@ def test_bad_records_are_dropouts_and_the_rest_is_computed_without_them() -> Non
     sessions = _sessions(host, platform, config, ids)
     emb = _embeddings([*ids, "nosession"])
     warmup = {c: sessions[c].seal_embeddings(1, emb[c]) for c in ids}
-    assert not host.loss_and_derivatives(1, warmup).rejected
+    assert not host.loss_and_derivatives(1, warmup, shape=(4, 8)).rejected
 
     sealed = {c: sessions[c].seal_embeddings(2, emb[c]) for c in ids}
     flipped = bytearray(sealed["flipped"])
@@ -83,7 +85,7 @@ def test_bad_records_are_dropouts_and_the_rest_is_computed_without_them() -> Non
     sealed["reordered"], early = late, sealed["reordered"]
     sealed["stale"] = sessions["stale"].seal_embeddings(1, emb["stale"])
     sealed["nosession"] = b"anything"
-    result = host.loss_and_derivatives(2, sealed)
+    result = host.loss_and_derivatives(2, sealed, shape=(4, 8))
     assert set(result.derivatives) == {"ok1", "ok2", "reordered"}
     assert result.rejected["flipped"].startswith("RecordAuthenticationError")
     assert result.rejected["replayed"].startswith("RecordContextError")  # a round-1 record in round 2
@@ -93,7 +95,7 @@ def test_bad_records_are_dropouts_and_the_rest_is_computed_without_them() -> Non
     direct = _direct(kept, config)
     assert result.loss == direct.loss
 
-    again = host.loss_and_derivatives(2, {"reordered": early, "ok1": warmup["ok1"]})
+    again = host.loss_and_derivatives(2, {"reordered": early, "ok1": warmup["ok1"]}, shape=(4, 8))
     assert again.rejected["reordered"].startswith("RecordReplayError")
     assert "replayed or reordered" in again.rejected["reordered"]
     assert again.rejected["ok1"].startswith("RecordContextError")
@@ -105,8 +107,8 @@ def test_a_replayed_record_in_the_same_round_is_refused() -> None:
     sessions = _sessions(host, platform, config, ["a", "b"])
     emb = _embeddings(["a", "b"])
     sealed = {c: sessions[c].seal_embeddings(0, emb[c]) for c in sessions}
-    host.loss_and_derivatives(0, sealed)
-    replay = host.loss_and_derivatives(0, sealed)
+    host.loss_and_derivatives(0, sealed, shape=(4, 8))
+    replay = host.loss_and_derivatives(0, sealed, shape=(4, 8))
     assert set(replay.rejected) == {"a", "b"}
     assert all(r.startswith("RecordReplayError") for r in replay.rejected.values())
 
@@ -115,7 +117,9 @@ def test_derivatives_are_sealed_to_their_own_client_only() -> None:
     host, platform, config = _start()
     sessions = _sessions(host, platform, config, ["a", "b", "c"])
     emb = _embeddings(list(sessions))
-    result = host.loss_and_derivatives(0, {c: sessions[c].seal_embeddings(0, emb[c]) for c in sessions})
+    result = host.loss_and_derivatives(
+        0, {c: sessions[c].seal_embeddings(0, emb[c]) for c in sessions}, shape=(4, 8)
+    )
     with pytest.raises(RecordAuthenticationError):
         sessions["b"].open_derivatives(0, result.derivatives["a"])
     assert sessions["a"].open_derivatives(0, result.derivatives["a"]).shape == (4, 8)
@@ -128,7 +132,7 @@ def test_aggregation_in_one_batch_equals_the_direct_call_exactly() -> None:
     rng = np.random.default_rng(1)
     grads = {c: rng.standard_normal(300).astype(np.float32) for c in ids}
     counts = {c: int(k) for c, k in zip(ids, rng.integers(1, 20, len(ids)), strict=True)}
-    result = host.aggregate(4, {c: sessions[c].seal_gradient(4, grads[c]) for c in ids}, counts)
+    result = host.aggregate(4, {c: sessions[c].seal_gradient(4, grads[c]) for c in ids}, counts, size=300)
     assert result.batches == 1 and result.rejected == {} and result.accepted == ids
     assert np.array_equal(result.gradient, aggregate_gradients(grads, counts))
     assert result.peak_bytes <= config.memory_limit_bytes
@@ -143,7 +147,7 @@ def test_aggregation_in_batches_follows_eq_2() -> None:
     counts = {c: int(k) for c, k in zip(ids, rng.integers(1, 20, len(ids)), strict=True)}
     sealed = {c: sessions[c].seal_gradient(0, grads[c]) for c in ids}
     sealed["c3"] = sessions["c3"].seal_gradient(0, np.ones(10, np.float32))
-    result = host.aggregate(0, sealed, counts)
+    result = host.aggregate(0, sealed, counts, size=6000)
     assert result.batches > 1
     assert result.rejected["c3"].startswith("ValidationError")
     kept = [c for c in ids if c != "c3"]
@@ -155,7 +159,9 @@ def test_aggregation_in_batches_follows_eq_2() -> None:
     assert np.array_equal(result.gradient, aggregate_gradients({c: grads[c] for c in kept}, kept_counts))
     for attempt, request_bytes in enumerate((1, 2 * len(sealed["c0"]), 10**9), start=1):
         resealed = {c: sessions[c].seal_gradient(0, grads[c], attempt=attempt) for c in kept}
-        again = host.aggregate(0, resealed, kept_counts, attempt=attempt, request_bytes=request_bytes)
+        again = host.aggregate(
+            0, resealed, kept_counts, size=6000, attempt=attempt, request_bytes=request_bytes
+        )
         assert np.array_equal(again.gradient, result.gradient) and again.accepted == kept
         if request_bytes == 1:
             assert again.batches == len(kept)
@@ -166,12 +172,12 @@ def test_aggregation_without_any_valid_gradient_releases_nothing() -> None:
     host, platform, config = _start()
     sessions = _sessions(host, platform, config, ["a"])
     sealed = {"a": sessions["a"].seal_gradient(1, np.ones(5, np.float32))}
-    result = host.aggregate(2, sealed, {"a": 3})
+    result = host.aggregate(2, sealed, {"a": 3}, size=5)
     assert result.gradient is None and result.rejected["a"].startswith("RecordContextError")
     with pytest.raises(ValidationError, match="at least one"):
-        host.aggregate(2, {}, {})
+        host.aggregate(2, {}, {}, size=5)
     with pytest.raises(ValidationError, match="different clients"):
-        host.aggregate(2, sealed, {"b": 1})
+        host.aggregate(2, sealed, {"b": 1}, size=5)
 
 
 def test_an_input_over_the_memory_limit_is_refused_before_computing() -> None:
@@ -181,15 +187,17 @@ def test_an_input_over_the_memory_limit_is_refused_before_computing() -> None:
     big = _embeddings(ids, n=8, d=512)
     sealed = {c: sessions[c].seal_embeddings(0, big[c]) for c in ids}
     with pytest.raises(EnclaveMemoryError, match=r"over the limit of 1\.0 MiB"):
-        host.loss_and_derivatives(0, sealed)
+        host.loss_and_derivatives(0, sealed, shape=(8, 512))
 
     wide = _embeddings(ids, n=48, d=4)
     sealed = {c: sessions[c].seal_embeddings(1, wide[c]) for c in ids}
     with pytest.raises(EnclaveMemoryError, match="does not fit"):
-        host.loss_and_derivatives(1, sealed)
+        host.loss_and_derivatives(1, sealed, shape=(48, 4))
 
     small = _embeddings(ids[:16], n=8, d=16)
-    result = host.loss_and_derivatives(2, {c: sessions[c].seal_embeddings(2, small[c]) for c in ids[:16]})
+    result = host.loss_and_derivatives(
+        2, {c: sessions[c].seal_embeddings(2, small[c]) for c in ids[:16]}, shape=(8, 16)
+    )
     assert result.num_active > 0
     assert result.peak_bytes <= config.memory_limit_bytes
 
@@ -199,7 +207,9 @@ def test_peak_memory_stays_under_the_limit_while_chunking() -> None:
     ids = [f"c{i}" for i in range(128)]
     sessions = _sessions(host, platform, config, ids)
     emb = _embeddings(ids, n=8, d=32, seed=5)
-    result = host.loss_and_derivatives(0, {c: sessions[c].seal_embeddings(0, emb[c]) for c in ids})
+    result = host.loss_and_derivatives(
+        0, {c: sessions[c].seal_embeddings(0, emb[c]) for c in ids}, shape=(8, 32)
+    )
     direct = _direct(emb, config, limit=None)
     got = np.concatenate([sessions[c].open_derivatives(0, result.derivatives[c]) for c in ids])
     np.testing.assert_allclose(got, direct.derivatives, rtol=1e-4, atol=1e-7)
@@ -234,7 +244,7 @@ def test_the_service_answers_bad_requests_with_errors_and_keeps_working() -> Non
     )
     assert "num_samples" in bad["message"]
     assert _reply(service, {"op": "open_session"}, [b"FVH1"])["error"] == "CodecError"
-    ok = _reply(service, {"op": "loss", "round": 0, "attempt": 0, "clients": ["x"]}, [b"zz"])
+    ok = _reply(service, {"op": "loss", "round": 0, "attempt": 0, "clients": ["x"], "shape": [4, 8]}, [b"zz"])
     assert ok["ok"] is True and ok["rejected"]["x"].startswith("no session")
 
 
@@ -260,7 +270,9 @@ def test_a_client_with_overflowing_embeddings_is_rejected_alone() -> None:
     sessions = _sessions(host, platform, config, ["a", "b", "huge"])
     emb = _embeddings(["a", "b", "huge"])
     emb["huge"] = np.full((4, 8), 1e19, np.float32)
-    result = host.loss_and_derivatives(0, {c: sessions[c].seal_embeddings(0, emb[c]) for c in sessions})
+    result = host.loss_and_derivatives(
+        0, {c: sessions[c].seal_embeddings(0, emb[c]) for c in sessions}, shape=(4, 8)
+    )
     assert set(result.derivatives) == {"a", "b"}
     assert "too large" in result.rejected["huge"]
     assert result.loss == _direct({c: emb[c] for c in ("a", "b")}, config).loss
@@ -271,7 +283,9 @@ def test_a_client_with_non_finite_embeddings_is_rejected_alone() -> None:
     sessions = _sessions(host, platform, config, ["a", "nan", "b"])
     emb = _embeddings(list(sessions))
     emb["nan"][2, 3] = np.nan
-    result = host.loss_and_derivatives(0, {c: sessions[c].seal_embeddings(0, emb[c]) for c in sessions})
+    result = host.loss_and_derivatives(
+        0, {c: sessions[c].seal_embeddings(0, emb[c]) for c in sessions}, shape=(4, 8)
+    )
     assert list(result.derivatives) == ["a", "b"]
     assert result.rejected == {"nan": "ValidationError: embeddings contain NaN or infinity"}
     assert result.loss == _direct({c: emb[c] for c in ("a", "b")}, config).loss
@@ -303,11 +317,19 @@ def test_the_heap_meter_bounds_the_traced_peak_of_whole_calls(dp: bool) -> None:
 
     def loss_request() -> bytes:
         sealed = [sessions[c].seal_embeddings(0, emb[c]) for c in ids]
-        return pack_frame({"op": "loss", "round": 0, "attempt": 0, "clients": ids}, sealed)
+        return pack_frame({"op": "loss", "round": 0, "attempt": 0, "clients": ids, "shape": [8, 32]}, sealed)
 
     def aggregate_request() -> bytes:
         sealed = [sessions[c].seal_gradient(0, grads[c]) for c in ids]
-        header = {"op": "aggregate", "round": 0, "attempt": 0, "clients": ids, "num_samples": [8] * 64}
+        header = {
+            "op": "aggregate",
+            "round": 0,
+            "attempt": 0,
+            "clients": ids,
+            "num_samples": [8] * 64,
+            "size": 20000,
+            "max_norm": 1e6,
+        }
         return pack_frame({**header, "final": True}, sealed)
 
     for build in (loss_request, aggregate_request):

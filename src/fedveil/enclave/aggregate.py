@@ -10,21 +10,44 @@ an integer below 2**29), so the only roundings are the float64 additions, in the
 the final division and cast. The sum can therefore be fed in batches (:class:`GradientSum`): however the
 participants are cut into batches, the same participants in the same order give the same bits. That lets
 the enclave take step 9 in requests of any size while the uploads still arrive.
+
+**One upload's reach.** Eq. 2 gives every participant a say in proportion to its sample count, so one
+finite but absurd gradient (say 3e38 in every coordinate) would dominate the aggregate and, through
+Adam's second moment (which it makes infinite), stop every later update of the network. Before it is
+aggregated, each upload is checked by :func:`check_upload`: one whose values are not all finite or whose
+L2 norm exceeds ``max_upload_norm`` is refused (a dropout with its reason), never clipped, so an honest
+upload is aggregated unchanged. The FDML server (plain and in the enclave) and the FedAvg engine share
+this check and the default bound :data:`DEFAULT_MAX_UPLOAD_NORM`.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 
 import numpy as np
 
-from fedveil.errors import ValidationError
+from fedveil.errors import ConfigError, ValidationError
 
-__all__ = ["BLOCK", "GradientSum", "aggregate_gradients"]
+__all__ = [
+    "BLOCK",
+    "DEFAULT_MAX_UPLOAD_NORM",
+    "GradientSum",
+    "aggregate_gradients",
+    "check_max_upload_norm",
+    "check_upload",
+    "upload_norm",
+]
 
 BLOCK = 32768
 """Coordinates summed per pass over a batch's gradients (256 KiB of float64: the product stays in cache
 while each gradient's block is read once)."""
+
+DEFAULT_MAX_UPLOAD_NORM = 1e6
+"""The default bound on one upload's L2 norm (an FDML local gradient; a FedAvg client's change to the
+weights it was sent): generous, orders of magnitude above any honest upload of fedveil's models, yet
+small enough that Adam's moments and a sample-weighted mean stay finite whatever one device sends."""
 
 MAX_COUNT = 2**29 - 1
 """The largest sample count ``|d_i|``: below 2**29 a float32 value times the count is exact in float64."""
@@ -129,3 +152,43 @@ def aggregate_gradients(gradients: Mapping[str, np.ndarray], num_samples: Mappin
     acc = GradientSum()
     acc.add(gradients, num_samples)
     return acc.mean()
+
+
+def check_max_upload_norm(max_norm: float) -> float:
+    """``max_norm`` as a float if it is a finite number > 0, else :class:`~fedveil.errors.ConfigError`."""
+    real = isinstance(max_norm, numbers.Real) and not isinstance(max_norm, bool)
+    if not (real and math.isfinite(max_norm) and max_norm > 0):
+        raise ConfigError(
+            f"max_upload_norm {max_norm!r} must be a finite number > 0 (the default, "
+            f"{DEFAULT_MAX_UPLOAD_NORM:g}, is far above any honest update)"
+        )
+    return float(max_norm)
+
+
+def upload_norm(values: np.ndarray, reference: np.ndarray | None = None) -> float:
+    """The L2 norm of flat ``values - reference`` (of ``values`` when ``reference`` is None), summed in
+    float64 one :data:`BLOCK` at a time (no float64 copy of the whole vector; float32 values up to their
+    largest cannot overflow it). NaN or infinity when a value is not finite."""
+    total = 0.0
+    for lo in range(0, values.shape[0], BLOCK):
+        part = values[lo : lo + BLOCK].astype(np.float64)
+        if reference is not None:
+            part -= reference[lo : lo + BLOCK]
+        total += float(np.dot(part, part))
+    return math.sqrt(total)
+
+
+def check_upload(
+    values: np.ndarray, max_norm: float, *, reference: np.ndarray | None = None, what: str = "gradient"
+) -> None:
+    """Refuse one upload before it is aggregated (module docstring): :class:`ValidationError` naming
+    ``what`` when flat ``values`` hold NaN or infinity, or when the L2 norm of ``values - reference``
+    (:func:`upload_norm`) exceeds ``max_norm``."""
+    norm = upload_norm(values, reference)
+    if not math.isfinite(norm):
+        raise ValidationError(f"{what} holds NaN or infinity")
+    if norm > max_norm:
+        raise ValidationError(
+            f"{what} of L2 norm {norm:.3g} exceeds max_upload_norm {max_norm:.3g}; refused (raise "
+            "max_upload_norm if honest updates reach it)"
+        )

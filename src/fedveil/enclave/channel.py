@@ -248,9 +248,15 @@ def _pieces_parts(pieces: Sequence[np.ndarray]) -> list[bytes | np.ndarray]:
     return [head, *(np.ascontiguousarray(a, dtype="<f4").view(np.uint8) for a in arrays)]
 
 
+def sealed_array_bytes(shape: Sequence[int]) -> int:
+    """The length of a sealed record of a float32 array of ``shape`` (a device's ``(n, d)`` embeddings):
+    what the untrusted host can check of a record it cannot open."""
+    return RECORD_OVERHEAD + _ARRAY_PREFIX.size + _SHAPES[len(shape)].size + 4 * math.prod(shape)
+
+
 def sealed_vector_bytes(size: int) -> int:
     """The length of a sealed record of a flat float32 array of ``size`` values (a device's gradient)."""
-    return RECORD_OVERHEAD + _ARRAY_PREFIX.size + _SHAPES[1].size + 4 * size
+    return sealed_array_bytes((size,))
 
 
 def encode_array(array: np.ndarray) -> bytes:

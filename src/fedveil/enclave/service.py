@@ -15,18 +15,24 @@ gradients into it, and receive their derivatives directly from it. Every request
     for the session, derives the channel, forgets the private key, and replies with its public key
     (blob 0) and a REPORT over ``SHA-256(public key | nonce)`` (blob 1). A nonce already seen is refused.
 ``loss``
-    ``{"round", "attempt", "clients": [...]}`` and one sealed embeddings record per client. Each
-    record is opened on that client's session; a client whose record is missing a session, fails
-    authentication, is stale, or does not hold finite float32 ``(n_i, d)`` embeddings is *rejected*
-    (a dropout, with its reason) and left out. The rest are stacked in request order and labelled by
+    ``{"round", "attempt", "clients": [...], "shape": [n, d]}`` and one sealed embeddings record per
+    client; ``shape`` is what every client must send (``n`` samples of the round, the network's
+    embedding width ``d``: the host knows both from the model and the round's settings). Each record is
+    opened on that client's session; a client whose record is missing a session, fails authentication,
+    is stale, or does not hold float32 embeddings of that shape which Alg. 1 accepts (finite, below
+    :func:`~fedveil.enclave.triplet.magnitude_limit`) is *rejected* (a dropout, with its reason) and
+    left out. The rest are stacked in request order and labelled by
     client (FDML: every participant is one user), Alg. 1 runs through
     :func:`fedveil.enclave.triplet.loss_and_derivatives`, and each client's float32 derivatives are
     sealed to that client alone. The reply releases the loss and the number of active triplets.
 ``aggregate``
-    ``{"round", "attempt", "clients", "num_samples", "final"}`` and one sealed gradient record per
-    client. Batches of one (round, attempt) are folded into one float64 sum of ``|d_i| g_i``
-    (:class:`fedveil.enclave.aggregate.GradientSum`), so however the clients are cut into requests the
-    result is bit for bit that of :func:`~fedveil.enclave.aggregate.aggregate_gradients` over them all.
+    ``{"round", "attempt", "clients", "num_samples", "size", "max_norm", "final"}`` and one sealed
+    gradient record per client. A gradient that is not ``size`` float32 values (the network's parameter
+    count), not finite, or of L2 norm above ``max_norm`` (:func:`~fedveil.enclave.aggregate.check_upload`)
+    rejects its client only. Batches of one (round, attempt) are folded into one float64 sum of
+    ``|d_i| g_i`` (:class:`fedveil.enclave.aggregate.GradientSum`), so however the clients are cut into
+    requests the result is bit for bit that of :func:`~fedveil.enclave.aggregate.aggregate_gradients`
+    over them all.
     The ``final`` batch releases the aggregate gradient to the host for the optimizer step, as FDML's
     cloud updates the global network.
 ``layer_begin`` / ``layer_broadcast`` / ``layer_aggregate`` / ``layer_release``
@@ -64,6 +70,7 @@ bound against tracemalloc over Alg. 1.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +79,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedveil.enclave.aggregate import BLOCK as AGGREGATE_BLOCK
-from fedveil.enclave.aggregate import GradientSum
+from fedveil.enclave.aggregate import GradientSum, check_upload
 from fedveil.enclave.attestation import REPORT_KEY_BYTES, ClientHello, make_report, report_data_for
 from fedveil.enclave.channel import (
     DERIVATIVES,
@@ -95,7 +102,7 @@ from fedveil.enclave.channel import (
 from fedveil.enclave.dp import private_derivatives
 from fedveil.enclave.layerwise import LayerwiseState, ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
-from fedveil.enclave.triplet import TripletResult, loss_and_derivatives
+from fedveil.enclave.triplet import TripletResult, loss_and_derivatives, unusable_rows
 from fedveil.errors import CodecError, ConfigError, FedveilError, ValidationError
 
 PINNED_CONFIG_ENV = "FEDVEIL_ENCLAVE_CONFIG"
@@ -185,6 +192,24 @@ def _num_samples(header: dict[str, Any], count: int) -> list[int]:
     return num_samples
 
 
+def _shape(header: dict[str, Any], key: str, ndim: int) -> tuple[int, ...]:
+    value = header.get(key)
+    if (
+        not isinstance(value, list)
+        or len(value) != ndim
+        or any(type(k) is not int or not 0 < k < 2**31 for k in value)
+    ):
+        raise CodecError(f"request field {key!r} is {value!r}, expected {ndim} positive int(s)")
+    return tuple(value)
+
+
+def _max_norm(header: dict[str, Any]) -> float:
+    value = header.get("max_norm")
+    if type(value) not in (int, float) or not (math.isfinite(value) and value > 0):
+        raise CodecError(f"request field 'max_norm' is {value!r}, expected a finite number > 0")
+    return float(value)
+
+
 def _rejection(exc: FedveilError) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -270,19 +295,17 @@ class EnclaveService:
     def _drop_unusable(
         accepted: list[str], counts: list[int], stacked: np.ndarray, rejected: dict[str, str]
     ) -> tuple[list[str], list[int], np.ndarray]:
-        """Reject, as a whole, each client with a non-finite embedding or one so large that squared
-        distances overflow float32 (which :func:`fedveil.enclave.triplet.loss_and_derivatives` would
-        refuse for the whole batch); checked once over the stacked rows rather than per client."""
+        """Reject, as a whole, each client with an embedding that Alg. 1 refuses (non-finite, or too large
+        for float32 squared distances: :func:`fedveil.enclave.triplet.unusable_rows`, the same limit
+        Alg. 1 applies, so what is kept is computed); checked once over the stacked rows."""
         owner = np.repeat(np.arange(len(accepted)), counts)
-        finite = np.isfinite(stacked).all(axis=1)
-        with np.errstate(invalid="ignore"):
-            largest = np.abs(stacked).max(axis=1).astype(np.float64)
-        too_large = largest**2 * 8 * stacked.shape[1] >= float(np.finfo(np.float32).max)
-        bad = set(np.flatnonzero(np.bincount(owner[~finite | too_large], minlength=len(accepted))).tolist())
+        non_finite, too_large = unusable_rows(stacked)
+        unusable = np.bincount(owner[non_finite | too_large], minlength=len(accepted))
+        bad = set(np.flatnonzero(unusable).tolist())
         if not bad:
             return accepted, counts, stacked
         for i in bad:
-            why = "contain NaN or infinity" if not finite[owner == i].all() else "are too large for float32"
+            why = "contain NaN or infinity" if non_finite[owner == i].any() else "are too large for float32"
             rejected[accepted[i]] = f"ValidationError: embeddings {why}"
         keep = [i for i in range(len(accepted)) if i not in bad]
         rows = ~np.isin(owner, list(bad))
@@ -340,13 +363,23 @@ class EnclaveService:
         return {"ok": True, "client": hello.client_id}, [public, report]
 
     def _open_records(
-        self, clients: list[str], blobs: _Blobs, *, kind: int, rnd: int, attempt: int, ndim: int
+        self,
+        clients: list[str],
+        blobs: _Blobs,
+        *,
+        kind: int,
+        rnd: int,
+        attempt: int,
+        shape: tuple[int, ...] | None,
+        ndim: int,
     ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """Open each client's record on its session; a failure rejects that client only. Gradients
-        must be finite here; embeddings are checked together in :meth:`_drop_unusable`."""
+        """Open each client's record on its session; a failure rejects that client only. Each array
+        must have ``shape``, the one the request states (known from the model and the round's settings,
+        never taken from another client's record), or, where ``shape`` is None, ``ndim`` dimensions (a
+        PPFL update is checked against its layer). Gradients must be finite here; embeddings are checked
+        together in :meth:`_drop_unusable`."""
         opened: dict[str, np.ndarray] = {}
         rejected: dict[str, str] = {}
-        width: int | None = None
         for cid, blob in zip(clients, blobs, strict=True):
             channel = self._sessions.get(cid)
             if channel is None:
@@ -358,12 +391,10 @@ class EnclaveService:
             except FedveilError as exc:
                 rejected[cid] = _rejection(exc)
                 continue
-            if array.shape[0] == 0 or (width is not None and array.shape[-1] != width):
-                rejected[cid] = (
-                    f"ValidationError: {KIND_NAMES[kind]} of shape {array.shape}, unlike the other clients'"
-                )
+            if shape is not None and array.shape != shape:
+                what = KIND_NAMES[kind]
+                rejected[cid] = f"ValidationError: {what} of shape {array.shape}, expected {shape}"
                 continue
-            width = array.shape[-1]
             opened[cid] = array
         return opened, rejected
 
@@ -371,17 +402,18 @@ class EnclaveService:
         config = self._launched()
         rnd, attempt = _int(header, "round"), _int(header, "attempt")
         clients = _clients(header, len(blobs))
+        shape = _shape(header, "shape", 2)
         sealed_total = sum(b.nbytes for b in blobs)
         self._check_fits(size + sealed_total, f"decrypting {len(clients)} embedding records")
         embeddings, rejected = self._open_records(
-            clients, blobs, kind=EMBEDDINGS, rnd=rnd, attempt=attempt, ndim=2
+            clients, blobs, kind=EMBEDDINGS, rnd=rnd, attempt=attempt, shape=shape, ndim=2
         )
         accepted = list(embeddings)
         if not accepted:
             return {"ok": True, "loss": None, "num_active": 0, "clients": [], "rejected": rejected}, []
         meter.hold(size + sealed_total)
-        counts = [embeddings[c].shape[0] for c in accepted]
-        n, d = sum(counts), embeddings[accepted[0]].shape[1]
+        counts = [shape[0]] * len(accepted)
+        n, d = sum(counts), shape[1]
         matrix = n * d * 4
         # Buffers held together in each phase (besides the request): plaintexts and their stacked copy;
         # the drop check's |x|, flags and row maxima; Alg. 1 beside the stacked copy and the labels;
@@ -475,6 +507,8 @@ class EnclaveService:
         rnd, attempt = _int(header, "round"), _int(header, "attempt")
         clients = _clients(header, len(blobs))
         num_samples = _num_samples(header, len(clients))
+        width = _int(header, "size", minimum=1)
+        max_norm = _max_norm(header)
         final = header.get("final")
         if type(final) is not bool:
             raise CodecError(f"request field 'final' is {final!r}, expected a bool")
@@ -488,16 +522,20 @@ class EnclaveService:
             size + sealed_total + 4 * 2 * largest,
             f"aggregating {len(clients)} gradient records of up to {_mib(largest)}",
         )
+        if state.sum.size not in (None, width):
+            raise CodecError(
+                f"request field 'size' is {width}, but this round's aggregate so far has {state.sum.size}"
+            )
         gradients, rejected = self._open_records(
-            clients, blobs, kind=GRADIENT, rnd=rnd, attempt=attempt, ndim=1
+            clients, blobs, kind=GRADIENT, rnd=rnd, attempt=attempt, shape=(width,), ndim=1
         )
-        meter.hold(size + sealed_total)
-        width = state.sum.size
+        meter.hold(size + sealed_total + 8 * min(width, AGGREGATE_BLOCK))  # the norm's float64 block
         for cid, g in list(gradients.items()):
-            if width is not None and g.shape[0] != width:
-                rejected[cid] = f"ValidationError: gradient of {g.shape[0]} values, expected {width}"
+            try:
+                check_upload(g, max_norm)
+            except ValidationError as exc:
+                rejected[cid] = _rejection(exc)
                 del gradients[cid]
-            width = g.shape[0] if width is None else width
         if gradients:
             samples = dict(zip(clients, num_samples, strict=True))
             state.sum.add(gradients, {cid: samples[cid] for cid in gradients})
@@ -571,7 +609,9 @@ class EnclaveService:
         self._check_fits(
             size + sealed_total + 8 * (theta.size + 1), f"averaging {len(clients)} layer updates"
         )
-        updates, rejected = self._open_records(clients, blobs, kind=UPDATE, rnd=rnd, attempt=0, ndim=1)
+        updates, rejected = self._open_records(
+            clients, blobs, kind=UPDATE, rnd=rnd, attempt=0, shape=None, ndim=1
+        )
         meter.hold(size + sealed_total + 8 * (theta.size + 1))
         more, loss = self._layers.average(
             stage, rnd, updates, dict(zip(clients, num_samples, strict=True)), weighted=weighted, final=final

@@ -37,7 +37,14 @@ import numpy as np
 
 from fedveil.errors import ConfigError, ValidationError
 
-__all__ = ["DEFAULT_MEMORY_LIMIT_BYTES", "STRATEGIES", "TripletResult", "loss_and_derivatives"]
+__all__ = [
+    "DEFAULT_MEMORY_LIMIT_BYTES",
+    "STRATEGIES",
+    "TripletResult",
+    "loss_and_derivatives",
+    "magnitude_limit",
+    "unusable_rows",
+]
 
 DEFAULT_MEMORY_LIMIT_BYTES = 96 * 2**20
 """Working memory allowed by default: 96 MiB, about the usable enclave page cache of SGX1."""
@@ -146,13 +153,33 @@ def _validate(
         raise ConfigError(f"memory_limit_bytes {memory_limit_bytes!r} must be a positive int or None")
     if embeddings.size:
         largest = max(-float(embeddings.min()), float(embeddings.max()))
-        # squared distances reach 4 d largest^2; keep them, their sums and the margin finite
-        if largest >= np.sqrt(info.max / (16 * embeddings.shape[1])):
+        if largest >= magnitude_limit(embeddings.dtype, embeddings.shape[1]):
             raise ValidationError(
                 f"embeddings reach magnitude {largest:.3g}, too large for {embeddings.dtype} squared "
                 "distances; rescale them"
             )
     return embeddings, labels, float(margin), STRATEGIES[strategy]
+
+
+def magnitude_limit(dtype: np.dtype | type, dim: int) -> np.floating:
+    """The magnitude every coordinate of ``dim``-dimensional embeddings of float ``dtype`` must stay
+    strictly below for Alg. 1: squared distances reach ``4 d x^2``, and they, their sums and the margin
+    must stay finite, so ``16 d x^2`` below the dtype's largest value (about 5.8e17 for float32 at
+    ``d = 64``). In ``dtype``, so that comparisons against it are exact."""
+    info = np.finfo(dtype)
+    return np.sqrt(info.max / info.dtype.type(16 * dim))
+
+
+def unusable_rows(embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of float ``(N, d)`` ``embeddings`` that :func:`loss_and_derivatives` refuses, as two
+    boolean ``(N,)`` masks: ``non_finite`` (a NaN or infinity) and ``too_large`` (finite, but a
+    coordinate at or above :func:`magnitude_limit`). Whoever drops unusable inputs before Alg. 1 (the
+    enclave per client, the host per device reply) uses this, so that what they keep Alg. 1 accepts."""
+    non_finite = ~np.isfinite(embeddings).all(axis=1)
+    with np.errstate(invalid="ignore"):
+        largest = np.abs(embeddings).max(axis=1, initial=0)
+    too_large = ~non_finite & (largest >= magnitude_limit(embeddings.dtype, embeddings.shape[1]))
+    return non_finite, too_large
 
 
 class _Plan:

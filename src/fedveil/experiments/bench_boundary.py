@@ -87,7 +87,7 @@ def bench_enclave_boundary(
                 start = time.perf_counter()
                 sealed = {c: sessions[c].seal_embeddings(rnd, embeddings[c]) for c in ids}
                 t_call = time.perf_counter()
-                result = host.loss_and_derivatives(rnd, sealed)
+                result = host.loss_and_derivatives(rnd, sealed, shape=(samples, dim))
                 t_call = time.perf_counter() - t_call
                 received = {c: sessions[c].open_derivatives(rnd, result.derivatives[c]) for c in ids}
                 t_through = time.perf_counter() - start

@@ -32,7 +32,6 @@ from fedveil.core.provenance import code_identity
 from fedveil.data.cameraauth import cameraauth_from_folder, synthetic_cameraauth
 from fedveil.data.touch_csv import load_touch_population
 from fedveil.data.touchauth import TouchAuthConfig, generate_touchauth
-from fedveil.enclave.channel import RECORD_OVERHEAD
 from fedveil.enclave.measure import EnclaveConfig, measure_enclave
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.eval.plots import plot_roc
@@ -209,7 +208,7 @@ def build_trainer(
             config = enclave_config(cfg, dp, dp_seed=dp_seed)
             platform = platform or SimulatedPlatform.generate()
             host = EnclaveHost.start(config, platform=platform, boundary=cfg.enclave.boundary, tap=tap)
-            enclave = AttestedEnclave(host, record_overhead=RECORD_OVERHEAD + 64)
+            enclave = AttestedEnclave(host)
             if simulated and ray is None:
                 sessions = device_sessions(ids, platform.public_key, measure_enclave(config).digest)
         server: Any = FDMLServer(cfg.fdml, model.initial(), EMBEDDING_DIM, enclave, server_rng)

@@ -26,10 +26,10 @@ from torch.func import grad, vmap
 
 from fedveil.core import codec
 from fedveil.core.communicator import ClientId, Communicator, Deferred
-from fedveil.enclave.aggregate import aggregate_gradients
-from fedveil.enclave.channel import sealed_vector_bytes
+from fedveil.enclave.aggregate import aggregate_gradients, check_upload
+from fedveil.enclave.channel import sealed_array_bytes, sealed_vector_bytes
 from fedveil.enclave.dp import private_derivatives
-from fedveil.enclave.triplet import loss_and_derivatives
+from fedveil.enclave.triplet import loss_and_derivatives, magnitude_limit, unusable_rows
 from fedveil.errors import ConfigError, FedveilError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import (
@@ -75,12 +75,26 @@ class StepFive:
     rejected: dict[ClientId, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class UploadSpec:
+    """What every device's uploads must be, known from the model and the round settings (never from
+    another device's reply): ``samples`` embeddings of width ``embedding_dim`` in step 4, a local
+    gradient of ``num_params`` values in step 8 whose L2 norm is at most ``max_norm``
+    (:func:`~fedveil.enclave.aggregate.check_upload`)."""
+
+    samples: int
+    embedding_dim: int
+    num_params: int
+    max_norm: float
+
+
 class Enclave(Protocol):
     """The server's trusted part, seen from the host: step 5 (loss and derivatives) and step 9 (Eq. 2).
 
     ``embed_reply`` and ``grad_reply`` are the message types devices upload in steps 4 and 8 (plain
     arrays, or records sealed to the enclave); ``check_embed`` / ``check_grad`` are what the host can
-    validate of them before handing them on; ``open_session`` answers a device's attestation hello
+    validate of them before handing them on, against the :class:`UploadSpec` that the server which owns
+    the enclave fixed with ``expect``; ``open_session`` answers a device's attestation hello
     (``None`` where there is nothing to attest).
     """
 
@@ -88,15 +102,17 @@ class Enclave(Protocol):
     grad_reply: type
     attested: bool
 
+    def expect(self, uploads: UploadSpec) -> None: ...
+
     def open_session(self, client_hello: bytes) -> bytes: ...
 
-    def check_embed(self, msg: Any, n: int, dim: int) -> None: ...
+    def check_embed(self, msg: Any) -> None: ...
 
-    def check_grad(self, msg: Any, num_params: int) -> None: ...
+    def check_grad(self, msg: Any) -> None: ...
 
     def step_five(self, rnd: int, attempt: int, replies: Mapping[ClientId, Any]) -> StepFive: ...
 
-    def gradient_stream(self, rnd: int, attempt: int, num_params: int) -> Any: ...
+    def gradient_stream(self, rnd: int, attempt: int) -> Any: ...
 
     def step_nine(
         self, rnd: int, attempt: int, replies: Mapping[ClientId, Any], stream: Any = None
@@ -115,7 +131,24 @@ class DPRelease:
     drop_rate: float
 
 
-class LocalEnclave:
+class _Expecting:
+    """The :class:`UploadSpec` an enclave checks uploads against, fixed by the server that owns it."""
+
+    _uploads: UploadSpec | None = None
+
+    def expect(self, uploads: UploadSpec) -> None:
+        """Check every later upload against ``uploads``."""
+        self._uploads = uploads
+
+    @property
+    def uploads(self) -> UploadSpec:
+        """The spec fixed by :meth:`expect`."""
+        if self._uploads is None:
+            raise ConfigError("this enclave does not know what uploads to expect: FDMLServer calls expect()")
+        return self._uploads
+
+
+class LocalEnclave(_Expecting):
     """The enclave maths called in the server's own process, on plaintext messages: no boundary, no
     attestation (``enclave.boundary: none``; :class:`AttestedEnclave` is the emulated TEE).
 
@@ -148,19 +181,26 @@ class LocalEnclave:
         """There is no enclave to attest: a device that asks for one is refused."""
         raise ValidationError("this server runs no attested enclave (enclave.boundary is none)")
 
-    def check_embed(self, msg: EmbedReply, n: int, dim: int) -> None:
-        """The host sees the embeddings: their shape must be ``(n, dim)``."""
+    def check_embed(self, msg: EmbedReply) -> None:
+        """The host sees the embeddings: their shape must be ``(samples, embedding_dim)`` and Alg. 1 must
+        accept them (:func:`~fedveil.enclave.triplet.unusable_rows`, the limit Alg. 1 applies), so one
+        device's embeddings cannot make step 5 fail for the others."""
+        shape = (self.uploads.samples, self.uploads.embedding_dim)
+        emb = msg.embeddings
+        expect(emb.shape == shape, f"embeddings of shape {emb.shape}, expected {shape}")
+        non_finite, too_large = unusable_rows(emb)
+        expect(not non_finite.any(), "embeddings contain NaN or infinity")
         expect(
-            msg.embeddings.shape == (n, dim),
-            f"embeddings of shape {msg.embeddings.shape}, expected {(n, dim)}",
+            not too_large.any(),
+            f"embeddings reach magnitude {float(np.abs(emb).max()):.3g}, at or above "
+            f"{float(magnitude_limit(emb.dtype, shape[1])):.3g}: too large for float32 squared distances",
         )
 
-    def check_grad(self, msg: GradReply, num_params: int) -> None:
-        """The gradient must be a ``(num_params,)`` vector."""
-        expect(
-            msg.gradient.shape == (num_params,),
-            f"gradient of shape {msg.gradient.shape}, expected {(num_params,)}",
-        )
+    def check_grad(self, msg: GradReply) -> None:
+        """The gradient must be a ``(num_params,)`` vector of L2 norm at most ``max_norm``."""
+        size = self.uploads.num_params
+        expect(msg.gradient.shape == (size,), f"gradient of shape {msg.gradient.shape}, expected {(size,)}")
+        check_upload(msg.gradient, self.uploads.max_norm)
 
     def step_five(self, rnd: int, attempt: int, replies: Mapping[ClientId, EmbedReply]) -> StepFive:
         """Alg. 1 (or Alg. 2) on the stacked embeddings, labelled by the device that uploaded them."""
@@ -198,64 +238,82 @@ class LocalEnclave:
         requests = {c: BackpropRequest(rnd, attempt, d) for c, d in zip(order, blocks, strict=True)}
         return StepFive(result["loss"], int(result["active"]), requests)
 
-    def gradient_stream(self, rnd: int, attempt: int, num_params: int) -> None:
+    def gradient_stream(self, rnd: int, attempt: int) -> None:
         """Nothing to stream to: step 9 runs here, on the host's own cores."""
         return None
 
     def step_nine(
         self, rnd: int, attempt: int, replies: Mapping[ClientId, GradReply], stream: None = None
     ) -> tuple[np.ndarray | None, dict[ClientId, str]]:
-        """Eq. 2 over the gradients that arrived."""
+        """Eq. 2 over the gradients that arrived (each checked by :meth:`check_grad`)."""
         g = aggregate_gradients(
             {c: m.gradient for c, m in replies.items()}, {c: m.num_samples for c, m in replies.items()}
         )
         return g, {}
 
 
-class AttestedEnclave:
+class AttestedEnclave(_Expecting):
     """The emulated TEE seen from the untrusted host: every embedding, derivative and gradient crosses
     the host as a record sealed between one device and the enclave (X25519 -> HKDF -> AES-256-GCM),
     and the host only relays bytes to :class:`fedveil.runtime.enclave_host.EnclaveHost`, which runs the
-    enclave in its own process (or in-process for tests). The host can check only a record's size.
+    enclave in its own process (or in-process for tests). The host can check only a record's length
+    (exactly that of the expected shape); the enclave checks the shape, values and norm inside.
     """
 
     embed_reply = SealedEmbedReply
     grad_reply = SealedGradReply
     attested = True
 
-    def __init__(self, host: Any, *, record_overhead: int) -> None:
+    def __init__(self, host: Any) -> None:
         self.host = host
-        self.record_overhead = record_overhead
 
     def open_session(self, client_hello: bytes) -> bytes:
         """Relay a device's hello to the enclave; return its key and quote for the device."""
         return self.host.open_session(client_hello)
 
-    def check_embed(self, msg: SealedEmbedReply, n: int, dim: int) -> None:
-        """A record larger than ``n x dim`` float32 plus framing cannot hold the right embeddings."""
-        limit = n * dim * 4 + self.record_overhead
-        expect(len(msg.record) <= limit, f"sealed embeddings of {len(msg.record)} bytes exceed {limit}")
+    def check_embed(self, msg: SealedEmbedReply) -> None:
+        """Only a record of exactly the length of sealed ``(samples, embedding_dim)`` float32 embeddings
+        can hold the right ones: another number of rows is refused here, in step 4."""
+        shape = (self.uploads.samples, self.uploads.embedding_dim)
+        want = sealed_array_bytes(shape)
+        expect(
+            len(msg.record) == want,
+            f"sealed embeddings of {len(msg.record)} bytes; embeddings of shape {shape} seal to {want}",
+        )
 
-    def check_grad(self, msg: SealedGradReply, num_params: int) -> None:
-        """Likewise for a sealed gradient of ``num_params`` float32."""
-        limit = num_params * 4 + self.record_overhead
-        expect(len(msg.record) <= limit, f"sealed gradient of {len(msg.record)} bytes exceeds {limit}")
+    def check_grad(self, msg: SealedGradReply) -> None:
+        """Likewise for a sealed gradient of ``num_params`` float32 (its norm is checked inside)."""
+        want = sealed_vector_bytes(self.uploads.num_params)
+        expect(
+            len(msg.record) == want,
+            f"sealed gradient of {len(msg.record)} bytes; {self.uploads.num_params} values seal to {want}",
+        )
 
     def step_five(self, rnd: int, attempt: int, replies: Mapping[ClientId, SealedEmbedReply]) -> StepFive:
         """The enclave opens the records, runs Alg. 1 (or Alg. 2), seals each device's derivatives."""
-        res = self.host.loss_and_derivatives(rnd, {c: m.record for c, m in replies.items()}, attempt=attempt)
+        res = self.host.loss_and_derivatives(
+            rnd,
+            {c: m.record for c, m in replies.items()},
+            shape=(self.uploads.samples, self.uploads.embedding_dim),
+            attempt=attempt,
+        )
         requests = {
             c: SealedBackpropRequest(rnd, attempt, sealed_record(rec)) for c, rec in res.derivatives.items()
         }
         return StepFive(res.loss or 0.0, res.num_active, requests, dict(res.rejected))
 
-    def gradient_stream(self, rnd: int, attempt: int, num_params: int) -> AggregateStream | None:
+    def gradient_stream(self, rnd: int, attempt: int) -> AggregateStream | None:
         """A step-9 stream the host feeds each valid gradient record as it arrives, so that the
         enclave sums the first requests while the rest are still coming in
         (:meth:`~fedveil.runtime.enclave_host.EnclaveHost.aggregate_stream`), bounded by an honest
-        record's length (a longer one is left to :meth:`step_nine`'s direct path)."""
+        record's length (the only length :meth:`check_grad` lets through)."""
         make = getattr(self.host, "aggregate_stream", None)
-        return None if make is None else make(rnd, sealed_vector_bytes(num_params), attempt=attempt)
+        if make is None:
+            return None
+        size = self.uploads.num_params
+        return make(
+            rnd, sealed_vector_bytes(size), size=size, max_norm=self.uploads.max_norm, attempt=attempt
+        )
 
     def step_nine(
         self,
@@ -276,6 +334,8 @@ class AttestedEnclave:
                 rnd,
                 {c: m.record for c, m in replies.items()},
                 {c: m.num_samples for c, m in replies.items()},
+                size=self.uploads.num_params,
+                max_norm=self.uploads.max_norm,
                 attempt=attempt,
             )
         return res.gradient, dict(res.rejected)
@@ -297,6 +357,9 @@ class FDMLServer:
         self.enclave = enclave
         self.rng = rng
         self.params = torch.nn.Parameter(as_tensor(initial_weights))
+        enclave.expect(
+            UploadSpec(cfg.samples_per_client, embedding_dim, int(self.params.numel()), cfg.max_upload_norm)
+        )
         self.optimizer = torch.optim.Adam([self.params], lr=cfg.lr)
         self.groups: dict[str, list[ClientId]] = {}
         self.before_release: Callable[[int], None] | None = None
@@ -382,7 +445,7 @@ class FDMLServer:
 
             def check_embed(cid: ClientId, msg: Any, same_round: Callable[..., None] = same_round) -> None:
                 same_round(cid, msg)
-                self.enclave.check_embed(msg, n, self.embedding_dim)
+                self.enclave.check_embed(msg)
 
             embeds = await comm.request(
                 {c: request for c in cohort},
@@ -402,15 +465,15 @@ class FDMLServer:
         five = self.enclave.step_five(rnd, attempt, embeds)
         same_round = self._round_check(rnd, attempt)
         num_params = int(self.params.numel())
-        stream = self.enclave.gradient_stream(rnd, attempt, num_params) if five.requests else None
+        stream = self.enclave.gradient_stream(rnd, attempt) if five.requests else None
 
         def check_grad(cid: ClientId, msg: Any) -> None:
             same_round(cid, msg)
             expect(msg.num_samples == n, f"num_samples {msg.num_samples}, expected {n}")
-            self.enclave.check_grad(msg, num_params)
+            self.enclave.check_grad(msg)
             # a valid reply goes on to the enclave at once (step 9 overlaps the rest of the uploads);
             # step_nine checks that the stream saw exactly the replies the round kept
-            if stream is not None and len(msg.record) <= stream.largest:
+            if stream is not None:
                 stream.add(cid, msg.record, msg.num_samples)
 
         try:
@@ -438,6 +501,16 @@ class FDMLServer:
             g, late_rejects = self.enclave.step_nine(rnd, attempt, grads, stream)
             rejected.update(late_rejects)
             applied = g is not None and len(grads) - len(late_rejects) >= cfg.min_gradients
+            if applied and not _usable_aggregate(g, num_params):
+                log.error(
+                    "round %d not applied: step 9 released an aggregate of shape %s (finite: %s), "
+                    "the model has %d parameters",
+                    rnd,
+                    np.shape(g),
+                    bool(np.isfinite(g).all()),
+                    num_params,
+                )
+                applied = False
             if applied:
                 self.optimizer.zero_grad(set_to_none=False)
                 self.params.grad = torch.from_numpy(np.asarray(g, dtype=np.float32).copy())
@@ -454,6 +527,14 @@ class FDMLServer:
             extra={"active_triplets": five.active, "enclave_rejected": len(rejected)},
         )
         return fill_traffic(report, before, comm.stats())
+
+
+def _usable_aggregate(g: np.ndarray, num_params: int) -> bool:
+    """Whether step 9's aggregate can be Adam's gradient: ``num_params`` finite values. Every upload was
+    checked against the model's shape and the norm bound, so anything else is an enclave fault; a round
+    is then not applied rather than the optimizer failing or its moments turning infinite."""
+    g = np.asarray(g)
+    return g.shape == (num_params,) and bool(np.isfinite(g).all())
 
 
 def _sealed_grad_frame(

@@ -48,6 +48,7 @@ from fedveil.core import codec
 from fedveil.core.aggregation import weighted_average
 from fedveil.core.communicator import ClientId, Communicator
 from fedveil.data.federated import FederatedDataset
+from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_max_upload_norm, check_upload
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import ClientData, RoundReport, as_tensor, client_rng, expect, fill_traffic
@@ -130,8 +131,11 @@ class FedAvgEngine:
     ``weights`` is the vector the server keeps (flat float32). ``upload_index`` (default: all of it) says
     which of its entries the clients upload and the aggregation replaces. Replies must be of
     ``reply_type`` and carry ``round``, ``num_samples`` (>= 1) and ``weights`` (the uploaded entries),
-    and may carry ``loss``; ``check`` adds a protocol's own validation. A round with fewer than
-    ``min_replies`` valid replies leaves the model unchanged.
+    and may carry ``loss``; ``check`` adds a protocol's own validation. An upload whose change to the
+    weights it was sent has an L2 norm above ``max_upload_norm`` is refused, a dropout with its reason
+    (:func:`~fedveil.enclave.aggregate.check_upload`, the check FDML applies to local gradients; the
+    default bound is far above any honest update), so no single client can swamp the average. A round
+    with fewer than ``min_replies`` valid replies leaves the model unchanged.
 
     ``weights=None`` is a model the server's host never holds (PPFL's layer in training lives in the
     server's enclave): ``configure`` then seals it to the cohort, replies carry an opaque ``record``
@@ -153,6 +157,7 @@ class FedAvgEngine:
         min_replies: int = 1,
         check: ReplyCheck | None = None,
         phase: str = "train",
+        max_upload_norm: float = DEFAULT_MAX_UPLOAD_NORM,
     ) -> None:
         if not (math.isfinite(server_lr) and server_lr > 0):
             raise ConfigError(f"server_lr {server_lr!r} must be a finite number > 0 (1 is plain FedAvg)")
@@ -176,6 +181,7 @@ class FedAvgEngine:
         self.min_replies = min_replies
         self.check = check
         self.phase = phase
+        self.max_upload_norm = check_max_upload_norm(max_upload_norm)
 
     def _held(self) -> np.ndarray:
         if self.current is None:
@@ -209,12 +215,14 @@ class FedAvgEngine:
         before = comm.stats().copy()
         cohort = self.select(rnd, self.rng)
         msgs = self.configure(rnd, cohort, self.current)
-        shape = None if self.current is None else self._uploaded().shape
+        sent = None if self.current is None else self._uploaded()
+        shape = None if sent is None else sent.shape
 
         def check(cid: ClientId, msg: Any) -> None:
             expect(msg.round == rnd, f"reply for round {msg.round}, expected {rnd}")
-            if shape is not None:
+            if sent is not None:
                 expect(msg.weights.shape == shape, f"weights of shape {msg.weights.shape}, expected {shape}")
+                check_upload(msg.weights, self.max_upload_norm, reference=sent, what="update")
             expect(msg.num_samples >= 1, f"num_samples {msg.num_samples} must be >= 1")
             if self.check is not None:
                 self.check(cid, msg)
@@ -679,6 +687,7 @@ class FedAvgServer:
             timeout=cfg.timeout,
             min_replies=cfg.min_replies,
             check=check,
+            max_upload_norm=cfg.max_upload_norm,
         )
 
     def _configure(self, rnd: int, cohort: Sequence[ClientId], weights: np.ndarray) -> dict[ClientId, object]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_max_upload_norm
 from fedveil.errors import ConfigError
 
 STRATEGIES = ("batch-all", "semi-hard")
@@ -22,7 +23,10 @@ class FDMLConfig:
     server addresses ``ceil(num_required * k)`` devices), ``rate_p`` the expected response rate,
     ``samples_per_client`` training samples per device per round, Adam with ``lr`` on the server,
     triplet ``margin`` and ``strategy``, timeouts ``t_embed`` / ``t_grad`` in simulated seconds,
-    ``max_attempts`` restarts of Alg. 3 line 5 before a round is given up.
+    ``max_attempts`` restarts of Alg. 3 line 5 before a round is given up. ``max_upload_norm`` bounds
+    the L2 norm of one device's local gradient: a larger one (or one not finite) is refused, a dropout
+    with its reason, before Eq. 2 (:func:`~fedveil.enclave.aggregate.check_upload`), so no single
+    device can swamp the aggregate or turn Adam's moments infinite.
     """
 
     num_required: int = 64
@@ -37,6 +41,7 @@ class FDMLConfig:
     t_embed: float = 30.0
     t_grad: float = 30.0
     max_attempts: int = 20
+    max_upload_norm: float = DEFAULT_MAX_UPLOAD_NORM
 
     def __post_init__(self) -> None:
         if self.num_required < 2:
@@ -68,6 +73,7 @@ class FDMLConfig:
             )
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts {self.max_attempts!r} must be >= 1")
+        check_max_upload_norm(self.max_upload_norm)
 
     @property
     def num_addressed(self) -> int:
@@ -83,7 +89,9 @@ class FDMLConfig:
 @dataclass(frozen=True)
 class FedAvgConfig:
     """Settings of FL-traditional rounds: cohort size, samples, local SGD learning rate and steps,
-    the simulated reply ``timeout`` in seconds and the fewest replies a round needs."""
+    the simulated reply ``timeout`` in seconds, the fewest replies a round needs, and the bound on the L2
+    norm of one client's change to the weights it was sent (``max_upload_norm``: a larger upload is
+    refused, a dropout with its reason, as in FDML)."""
 
     clients_per_round: int = 64
     samples_per_client: int = 8
@@ -91,6 +99,7 @@ class FedAvgConfig:
     local_steps: int = 1
     timeout: float = 30.0
     min_replies: int = 1
+    max_upload_norm: float = DEFAULT_MAX_UPLOAD_NORM
 
     def __post_init__(self) -> None:
         if self.clients_per_round < 1:
@@ -105,3 +114,4 @@ class FedAvgConfig:
             raise ConfigError(f"timeout {self.timeout!r} must be > 0 seconds")
         if self.min_replies < 1:
             raise ConfigError(f"min_replies {self.min_replies!r} must be >= 1")
+        check_max_upload_norm(self.max_upload_norm)

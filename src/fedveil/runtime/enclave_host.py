@@ -47,6 +47,7 @@ import numpy as np
 
 from fedveil.core.attestation_verify import ServerHello
 from fedveil.core.heap import HEAP_RETAINING_ENV
+from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_max_upload_norm
 from fedveil.enclave.channel import (
     RECORD_OVERHEAD,
     check_client_id,
@@ -340,7 +341,9 @@ class AggregateStream:
     """FDML step 9 fed one gradient record at a time (:meth:`EnclaveHost.aggregate_stream`).
 
     Records are cut into requests of at most ``request_bytes`` (:data:`STEP9_REQUEST_BYTES`) that the
-    enclave can hold; the result does not depend on the cut. A full request is submitted at once and not
+    enclave can hold; the result does not depend on the cut. Every request states the gradients' ``size``
+    (the network's parameter count) and ``max_norm`` (the bound on one upload's L2 norm): the enclave
+    rejects a client whose gradient breaks either. A full request is submitted at once and not
     waited for: the enclave opens and sums it while the host receives the next devices' replies (the
     shared region is written again as soon as the enclave has copied the previous request in).
     :meth:`finish` sends the last request as the final one and gathers every reply; :meth:`abort`
@@ -355,10 +358,14 @@ class AggregateStream:
         attempt: int,
         largest: int,
         request_bytes: int = STEP9_REQUEST_BYTES,
+        *,
+        size: int,
+        max_norm: float = DEFAULT_MAX_UPLOAD_NORM,
     ) -> None:
         if request_bytes < 1:
             raise ConfigError(f"step-9 request_bytes {request_bytes} must be >= 1")
         self.host, self.rnd, self.attempt, self.largest = host, rnd, attempt, largest
+        self.size, self.max_norm = size, check_max_upload_norm(max_norm)
         self._plan = _BatchPlan(host, largest, request_bytes)
         self.clients: list[str] = []
         self._batch: list[tuple[str, Buffer, int]] = []
@@ -386,6 +393,8 @@ class AggregateStream:
                 "attempt": self.attempt,
                 "clients": [c for c, _, _ in batch],
                 "num_samples": [n for _, _, n in batch],
+                "size": self.size,
+                "max_norm": self.max_norm,
                 "final": final,
             },
             [r for _, r, _ in batch],
@@ -543,12 +552,15 @@ class EnclaveHost:
         quote = self._platform.quote(self._launch.launch_id, bytes(out[1]))
         return ServerHello(bytes(out[0]), quote).encode()
 
-    def loss_and_derivatives(self, rnd: int, sealed: Mapping[str, bytes], *, attempt: int = 0) -> LossResult:
-        """FDML step 5 (Alg. 1) inside the enclave over each client's sealed embeddings record."""
+    def loss_and_derivatives(
+        self, rnd: int, sealed: Mapping[str, bytes], *, shape: tuple[int, int], attempt: int = 0
+    ) -> LossResult:
+        """FDML step 5 (Alg. 1) inside the enclave over each client's sealed embeddings record, each of
+        which must hold ``shape`` ``(n, d)`` float32 embeddings (the round's samples per client, the
+        network's embedding width): a client whose record holds another shape is rejected."""
         clients = [check_client_id(c) for c in sealed]
-        head, out = self._call(
-            {"op": "loss", "round": rnd, "attempt": attempt, "clients": clients}, [sealed[c] for c in clients]
-        )
+        header = {"op": "loss", "round": rnd, "attempt": attempt, "clients": clients, "shape": list(shape)}
+        head, out = self._call(header, [sealed[c] for c in clients])
         accepted = head["clients"]
         return LossResult(
             derivatives={c: bytes(b) for c, b in zip(accepted, out, strict=True)},
@@ -575,30 +587,43 @@ class EnclaveHost:
         sealed: Mapping[str, bytes],
         num_samples: Mapping[str, int],
         *,
+        size: int,
+        max_norm: float = DEFAULT_MAX_UPLOAD_NORM,
         attempt: int = 0,
         request_bytes: int = STEP9_REQUEST_BYTES,
     ) -> AggregateResult:
         """FDML step 9 (Eq. 2) inside the enclave over each client's sealed gradient record, weighted
-        by ``num_samples`` (|d_i|); the aggregate is released for the host's optimizer step. Clients
-        are sent in requests of at most ``request_bytes`` that the enclave's memory limit allows (the
-        result is the same for any cut)."""
+        by ``num_samples`` (|d_i|); the aggregate is released for the host's optimizer step. A gradient
+        that is not ``size`` values, not finite, or of L2 norm above ``max_norm`` rejects its client.
+        Clients are sent in requests of at most ``request_bytes`` that the enclave's memory limit allows
+        (the result is the same for any cut)."""
         if not sealed:
             raise ValidationError(f"round {rnd}: aggregate needs at least one sealed gradient")
         if set(sealed) != set(num_samples):
             raise ValidationError("aggregate: sealed gradients and num_samples name different clients")
         largest = max(len(b) for b in sealed.values())
-        stream = self.aggregate_stream(rnd, largest, attempt=attempt, request_bytes=request_bytes)
+        stream = self.aggregate_stream(
+            rnd, largest, size=size, max_norm=max_norm, attempt=attempt, request_bytes=request_bytes
+        )
         for cid, record in sealed.items():
             stream.add(cid, record, num_samples[cid])
         return stream.finish()
 
     def aggregate_stream(
-        self, rnd: int, largest: int, *, attempt: int = 0, request_bytes: int = STEP9_REQUEST_BYTES
+        self,
+        rnd: int,
+        largest: int,
+        *,
+        size: int,
+        max_norm: float = DEFAULT_MAX_UPLOAD_NORM,
+        attempt: int = 0,
+        request_bytes: int = STEP9_REQUEST_BYTES,
     ) -> AggregateStream:
         """Step 9 fed client by client as the gradients arrive (:class:`AggregateStream`); ``largest``
-        bounds the records' length. Fed the same records in the same order, it releases what
-        :meth:`aggregate` releases, bit for bit, whatever either's ``request_bytes``."""
-        return AggregateStream(self, rnd, attempt, largest, request_bytes)
+        bounds the records' length, ``size`` and ``max_norm`` the gradients as in :meth:`aggregate`. Fed
+        the same records in the same order, it releases what :meth:`aggregate` releases, bit for bit,
+        whatever either's ``request_bytes``."""
+        return AggregateStream(self, rnd, attempt, largest, request_bytes, size=size, max_norm=max_norm)
 
     # --- PPFL (Alg. 1; fedveil.enclave.layerwise) ------------------------------------------------------
 
