@@ -48,6 +48,52 @@ def register(subparsers: Any) -> None:
         "--demo", action="store_true", help="on first start: demo application, groups and policies"
     )
     p.add_argument("--stop-after", type=float, default=None, help="stop by itself after this many seconds")
+    limits = p.add_argument_group("limits (docs/service.md, 'Limits')")
+    limits.add_argument(
+        "--job-seconds",
+        type=float,
+        default=3600.0,
+        help="each job's wall-clock budget: its check and its run, host calls included (default 3600)",
+    )
+    limits.add_argument(
+        "--check-seconds",
+        type=float,
+        default=30.0,
+        help="how much of it the check during the submission may use (default 30)",
+    )
+    limits.add_argument(
+        "--jobs-per-application",
+        type=int,
+        default=4,
+        help="jobs an application may have checked, queued or running at once (default 4)",
+    )
+    limits.add_argument(
+        "--submissions-per-minute",
+        type=int,
+        default=30,
+        help="job submissions per application per minute (default 30)",
+    )
+    limits.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1048576)"
+    )
+    limits.add_argument(
+        "--sign-in-failures",
+        type=int,
+        default=5,
+        help="failed sign-ins per account name within --sign-in-lockout before it is locked (default 5)",
+    )
+    limits.add_argument(
+        "--sign-in-address-failures",
+        type=int,
+        default=20,
+        help="failed sign-ins per client address within --sign-in-lockout before it is locked (default 20)",
+    )
+    limits.add_argument(
+        "--sign-in-lockout",
+        type=float,
+        default=900.0,
+        help="the window and the back-off of sign-in throttling, seconds (default 900; a restart unlocks)",
+    )
     p.set_defaults(func=run)
 
 
@@ -68,5 +114,13 @@ def run(args: argparse.Namespace) -> int:
             demo=args.demo,
             devices_listen=args.devices_listen,
             enrol_listen=args.enrol_listen,
+            job_seconds=args.job_seconds,
+            check_seconds=args.check_seconds,
+            jobs_per_application=args.jobs_per_application,
+            submissions_per_minute=args.submissions_per_minute,
+            max_body_bytes=args.max_body_bytes,
+            sign_in_failures=args.sign_in_failures,
+            sign_in_address_failures=args.sign_in_address_failures,
+            sign_in_lockout=args.sign_in_lockout,
         )
     )

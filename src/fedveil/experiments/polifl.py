@@ -23,6 +23,7 @@ over rounds per strategy: Fig. 6/7's shape) are rewritten after every stage.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import io
 import json
 import math
@@ -46,7 +47,13 @@ from fedveil.models.flat import FlatModel
 from fedveil.privacy.groups import GroupLedger, noise_multiplier
 from fedveil.privacy.pairs import DataPolicyPair, PolicyViolation
 from fedveil.privacy.policy import parse, show
-from fedveil.privacy.sandbox import SandboxError, compile_program, run_program
+from fedveil.privacy.sandbox import (
+    DeadlineExceeded,
+    SandboxError,
+    check_deadline,
+    compile_program,
+    run_program,
+)
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelServer
 from fedveil.protocols.local import LocalOptimizer
 from fedveil.protocols.polifl import (
@@ -500,7 +507,13 @@ class _Host:
     """The server's side of a job (the functions a global program calls, :func:`run_program`'s ``host``):
     ``run_fl``, ``release``, the three budget commands and ``epsilon``. Every call is logged with its
     outcome in ``state.json`` (``run_fl``'s model in ``call<i>.npz``), so a rerun replays finished calls
-    instead of training again and the program, being deterministic, continues where it stopped."""
+    instead of training again and the program, being deterministic, continues where it stopped.
+
+    A call with arguments a function does not take (their number, a keyword, a type: a model that is no
+    handle, a group that is not the job's) is a :class:`~fedveil.errors.ConfigError` naming the function
+    and the argument, which reaches the program as an exception it may catch. ``deadline``
+    (``time.monotonic()``): every call checks it before and after its work and each ``run_fl`` round
+    after the round; past it, :class:`~fedveil.privacy.sandbox.DeadlineExceeded` stops the program."""
 
     def __init__(
         self,
@@ -513,9 +526,10 @@ class _Host:
         dry: bool = False,
         on_round: RoundHook | None = None,
         network: Network | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.run, self.task, self.strategy, self.folder, self.progress = run, task, strategy, folder, progress
-        self.dry, self.on_round, self.network = dry, on_round, network
+        self.dry, self.on_round, self.network, self.deadline = dry, on_round, network, deadline
         self.state_path = folder / "state.json"
         self.state = (
             _State(**json.loads(self.state_path.read_text())) if self.state_path.exists() else _State()
@@ -567,22 +581,56 @@ class _Host:
         functions: dict[str, Callable[..., Any]] = {
             "run_fl": self.run_fl,
             "release": self.release,
-            "check_privacy_budget": lambda m, max_eps: self.budget(m, "check_privacy_budget", max_eps),
-            "enforce_privacy_budget": lambda m, max_eps: self.budget(m, "enforce_privacy_budget", max_eps),
-            "enforce_dp_budget": lambda m, eps: self.budget(m, "enforce_dp_budget", eps),
-            "epsilon": lambda name: self.ledger.epsilon(self.groups[name].name),
+            "check_privacy_budget": lambda model, max_eps: self.budget(
+                model, "check_privacy_budget", max_eps
+            ),
+            "enforce_privacy_budget": lambda model, max_eps: self.budget(
+                model, "enforce_privacy_budget", max_eps
+            ),
+            "enforce_dp_budget": lambda model, eps: self.budget(model, "enforce_dp_budget", eps),
+            "epsilon": self.epsilon,
         }
-        return {name: self._noting(f) for name, f in functions.items()}
+        return {name: self._guarded(name, f) for name, f in functions.items()}
 
-    def _noting(self, function: Callable[..., Any]) -> Callable[..., Any]:
+    def _guarded(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` as the program calls it: its arguments bound (a mismatch is a ConfigError naming
+        the function's parameters), the deadline checked before and after, each refusal noted."""
+        signature = inspect.signature(function)
+        usage = f"{name}({', '.join(signature.parameters)})"
+
         def call(*args: Any, **kwargs: Any) -> Any:
+            check_deadline(self.deadline, f"job {self.run.name}")
             try:
-                return function(*args, **kwargs)
+                signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise ConfigError(f"{usage} called wrongly: {exc}") from None
+            try:
+                result = function(*args, **kwargs)
             except PolicyViolation as exc:
                 self.refusals.append(str(exc))
                 raise
+            check_deadline(self.deadline, f"job {self.run.name}")
+            return result
 
         return call
+
+    @staticmethod
+    def _pair(model: Any, function: str) -> DataPolicyPair:
+        """The pair a program's ``model`` argument stands for; a ConfigError if it is none."""
+        if not isinstance(model, DataPolicyPair):
+            raise ConfigError(
+                f"{function}'s model must be the model main() was given or one that run_fl, release or a "
+                f"budget command returned, not {type(model).__name__} {str(model)[:50]!r}"
+            )
+        return model
+
+    def epsilon(self, name: str) -> float:
+        """The epsilon group ``name`` has spent so far."""
+        if not isinstance(name, str) or name not in self.groups:
+            raise ConfigError(
+                f"epsilon({str(name)[:50]!r}): name one of this job's groups ({', '.join(self.groups)})"
+            )
+        return self.ledger.epsilon(name)
 
     def _save(self) -> None:
         self.state.ledger = self.ledger.state()
@@ -606,6 +654,9 @@ class _Host:
 
     def run_fl(self, model: DataPolicyPair, names: list[str], rounds: int) -> DataPolicyPair:
         """Train the named groups together for ``rounds`` from ``model`` (one ``runFL`` stage)."""
+        model = self._pair(model, "run_fl")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"run_fl's names {str(names)[:50]!r} must be a list of group names")
         unknown = sorted(set(names) - set(self.groups))
         if unknown or not names:
             raise ConfigError(
@@ -690,6 +741,7 @@ class _Host:
         base = self.state.round
 
         def on_round(rnd: int, report: Any) -> None:
+            check_deadline(self.deadline, f"job {self.run.name}")
             bar.update(1)
             line: dict[str, Any] = {"round": base + rnd, "stage": stage.name, "loss": report.loss}
             if task.evaluate is not None and (rnd % run.eval_every == 0 or rnd == stage.rounds):
@@ -735,6 +787,7 @@ class _Host:
     def release(self, model: DataPolicyPair) -> DataPolicyPair:
         """``return`` after the budget commands the model's policy requires; the released model is the
         application's (a pair with no user policy: DP's post-processing)."""
+        model = self._pair(model, "release")
         entry = self._logged("release")
         if entry is None:
             try:
@@ -758,6 +811,9 @@ class _Host:
 
     def budget(self, model: DataPolicyPair, command: str, bound: float) -> DataPolicyPair:
         """A budget command on ``model`` against its contributing groups' epsilon."""
+        model = self._pair(model, command)
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound):
+            raise ConfigError(f"{command}'s bound {str(bound)[:50]!r} must be a finite number")
         entry = self._logged(command)
         if entry is None:
             try:
@@ -784,6 +840,7 @@ def run_strategy(
     dry: bool = False,
     on_round: RoundHook | None = None,
     network: Network | None = None,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one strategy's global program in the sandbox; return its summary (module
     docstring). ``dry``: check the program against the groups' policies before anything trains: every
@@ -791,10 +848,14 @@ def run_strategy(
     the ledger the epsilon its rounds would cost, so the budget commands and ``return`` meet the same
     refusals as the real run would (a dry run's summary says ``released`` and why not in ``stopped``).
     ``on_round``: :data:`RoundHook`. ``network``: the devices are networked agents (:func:`network_task`)
-    instead of the task's simulated ones."""
+    instead of the task's simulated ones. ``deadline`` (``time.monotonic()``): everything the program
+    causes, its calls into the server included, ends by then, or
+    :class:`~fedveil.privacy.sandbox.DeadlineExceeded` is raised (the strategy is then not done)."""
     folder = out / strategy.replace(":", "_")
     folder.mkdir(parents=True, exist_ok=True)
-    host = _Host(run, task, strategy, folder, progress, dry=dry, on_round=on_round, network=network)
+    host = _Host(
+        run, task, strategy, folder, progress, dry=dry, on_round=on_round, network=network, deadline=deadline
+    )
     kind, _, single = strategy.partition(":")
     source = run.program if kind == "program" else STRATEGY_PROGRAMS[kind]
     info = [
@@ -818,6 +879,7 @@ def run_strategy(
                 run.rounds,
                 host=host.functions(),
                 time_limit=run.program_time_limit,
+                deadline=deadline,
             )
             host.state.released = isinstance(final, DataPolicyPair) and id(final) in host.released
             if host.state.released:
@@ -825,6 +887,8 @@ def run_strategy(
                     atomic_write(folder / "weights.npz", _npz(final._value()))
             else:
                 host.state.stopped = "the program returned no released model"
+        except DeadlineExceeded:
+            raise
         except SandboxError as exc:
             host.state.stopped = str(exc)
         host.state.done = True

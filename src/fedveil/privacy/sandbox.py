@@ -61,10 +61,12 @@ from fedveil.privacy.policy import Policy, parse, show
 
 __all__ = [
     "BUILTINS",
+    "DeadlineExceeded",
     "Handle",
     "HostError",
     "Program",
     "SandboxError",
+    "check_deadline",
     "compile_program",
     "preload",
     "run_program",
@@ -77,6 +79,22 @@ class SandboxError(FedveilError):
 
 class HostError(FedveilError):
     """A host function refused a program's call (its message says why)."""
+
+
+class DeadlineExceeded(SandboxError):
+    """A program ran past its ``deadline`` (:func:`run_program`), its host calls counted. A host
+    function raises it to stop the program: it never reaches the program as a :class:`HostError`."""
+
+
+def check_deadline(deadline: float | None, what: str) -> None:
+    """Raise :class:`DeadlineExceeded` naming ``what`` if ``deadline`` (``time.monotonic()``) has
+    passed."""
+    if deadline is not None and time.monotonic() >= deadline:
+        raise _late(what)
+
+
+def _late(what: str) -> DeadlineExceeded:
+    return DeadlineExceeded(f"{what} ran past its deadline (its host calls counted)")
 
 
 _SAFE_NAMES = (
@@ -285,6 +303,7 @@ def run_program(
     host: Mapping[str, Callable[..., Any]] | None = None,
     time_limit: float = 10.0,
     memory_limit: int = 1 << 30,
+    deadline: float | None = None,
 ) -> Any:
     """Call ``entry(*args)`` of ``program`` in a child process under the limits (module docstring:
     ``memory_limit`` bytes of address space beyond what the child's image already maps, ``time_limit``
@@ -298,7 +317,11 @@ def run_program(
     results stays here, the program holding a :class:`Handle` (its policy, never its value). Time spent
     in host functions does not count against ``time_limit``. A host function's
     :class:`~fedveil.errors.FedveilError` reaches the program as a :class:`HostError` with its message;
-    any other exception is the host's own failure: the child is stopped and the exception raised here."""
+    any other exception is the host's own failure: the child is stopped and the exception raised here.
+
+    ``deadline`` (a ``time.monotonic()`` instant) bounds everything the call causes, host calls
+    included: the program is stopped when it passes, no host call starts after it, and a host function
+    that notices it (:func:`check_deadline`) stops the program too; each is a :class:`DeadlineExceeded`."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(sorted(_PRELOAD))
     parent, child = context.Pipe(duplex=True)
@@ -324,13 +347,18 @@ def run_program(
     try:
         while True:
             start = time.monotonic()
-            ready = parent.poll(max(0.0, time_limit - waited))
+            own = time_limit - waited
+            left = own if deadline is None else min(own, deadline - start)
+            ready = parent.poll(max(0.0, left))
             waited += time.monotonic() - start
             if not ready:
+                if left < own:
+                    raise _late(f"program {program.name}")
                 raise SandboxError(f"program {program.name} ran past its time limit of {time_limit} s")
             reply = json.loads(parent.recv_bytes(64 << 20).decode())
             if "call" not in reply:
                 break
+            check_deadline(deadline, f"program {program.name}")
             parent.send_bytes(json.dumps(_serve(host or {}, reply, table)).encode())
     except EOFError:
         raise SandboxError(
@@ -356,5 +384,7 @@ def _serve(host: Mapping[str, Callable[..., Any]], request: dict[str, Any], tabl
         args = _decode(request["args"], table)
         kwargs = _decode(request["kwargs"], table)
         return {"ok": _encode(host[name](*args, **kwargs), table)}
+    except DeadlineExceeded:
+        raise
     except FedveilError as exc:
         return {"error": type(exc).__name__, "message": str(exc)[:500]}

@@ -21,8 +21,15 @@ its policy's budget. Every form carries the session's CSRF token (the sign-in fo
 cookie's); every page is served with a strict Content-Security-Policy (no scripts at all) and
 ``X-Frame-Options: DENY``.
 
-**Abuse**: bodies over ``max_body_bytes`` are refused with 413 before they are read; malformed JSON is
-422 naming the field; all SQL binds its parameters; a crash in a job fails that job, never the service.
+**Abuse**: bodies over ``max_body_bytes`` are refused with 413 (declared or streamed); malformed JSON
+is 422 naming the field, and a 422's body never echoes the input (so NaN or infinity in it cannot break
+the answer); ids in paths are whole numbers in digits; all SQL binds its parameters; a crash in a job
+fails that job, never the service. A job has one wall-clock budget (``job_seconds``, of which its check
+during the submission may use ``check_seconds``: :mod:`fedveil.service.jobs`); an application may have
+at most ``jobs_per_application`` jobs being checked, queued or running and submit at most
+``submissions_per_minute`` (429 with ``Retry-After`` beyond). Sign-in is throttled per account and per
+client address (:class:`~fedveil.service.auth.SignInThrottle`): after too many failures in a window
+further attempts get 429 for a back-off period, the same whether the account exists or not.
 """
 
 from __future__ import annotations
@@ -30,7 +37,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import secrets
+import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +51,10 @@ import sqlalchemy as sa
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi import Path as PathParam
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
-from pydantic import BaseModel
+from pydantic import BaseModel, BeforeValidator
 from sqlalchemy.engine import Engine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -66,9 +78,14 @@ class ServiceSettings:
     """Where the service keeps its database (a path: SQLite; or a URL) and job files, the simulated
     device ``population``, the largest request body, whether it is served over TLS (cookies are then
     ``Secure``), whether to run jobs (tests of the API alone may not), how long a job's global
-    program may run by itself (its calls into the server not counted) and, for a networked population,
-    the device port (``HOST:PORT``), the enrolment port (one-time tokens exchanged for certificates) and
-    the PKI directory whose CA signs the devices' certificates."""
+    program may run by itself (``program_seconds``), each job's wall-clock budget for everything it
+    causes (``job_seconds``) and how much of it its check during the submission may use
+    (``check_seconds``), the submissions allowed per application (``jobs_per_application`` checked,
+    queued or running at once; ``submissions_per_minute``), sign-in throttling (``sign_in_failures``
+    per account and ``sign_in_address_failures`` per client address within ``sign_in_lockout``
+    seconds, then refused for ``sign_in_lockout`` seconds) and, for a networked population, the device
+    port (``HOST:PORT``), the enrolment port (one-time tokens exchanged for certificates) and the PKI
+    directory whose CA signs the devices' certificates."""
 
     db: str
     folder: Path
@@ -77,9 +94,32 @@ class ServiceSettings:
     tls: bool = True
     run_jobs: bool = True
     program_seconds: float = 10.0
+    job_seconds: float = 3600.0
+    check_seconds: float = 30.0
+    jobs_per_application: int = 4
+    submissions_per_minute: int = 30
+    sign_in_failures: int = 5
+    sign_in_address_failures: int = 20
+    sign_in_lockout: float = 900.0
     devices_listen: str | None = None
     enrol_listen: str | None = None
     pki: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("program_seconds", "job_seconds", "check_seconds", "sign_in_lockout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} {value!r} must be a number of seconds > 0")
+        for name in (
+            "max_body_bytes",
+            "jobs_per_application",
+            "submissions_per_minute",
+            "sign_in_failures",
+            "sign_in_address_failures",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} {value!r} must be a whole number >= 1")
 
 
 class JobStatus(BaseModel):
@@ -127,8 +167,15 @@ class Invalid(BaseModel):
     job: int | None = None
 
 
-JobId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="the job's id")]
-RowId = Annotated[int, PathParam(ge=1, le=2**31 - 1)]
+def _digits(value: Any) -> Any:
+    """An id in a path is written in digits only (``1.0``, ``+1``, ``1e0`` are not ids)."""
+    if isinstance(value, str) and not (value.isascii() and value.isdigit()):
+        raise ValueError(f"an id is a whole number written in digits (like 12), not {value[:20]!r}")
+    return value
+
+
+JobId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="the job's id"), BeforeValidator(_digits)]
+RowId = Annotated[int, PathParam(ge=1, le=2**31 - 1), BeforeValidator(_digits)]
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     **{code: {"model": Problem} for code in (401, 403, 404, 409, 413)},
@@ -136,8 +183,71 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+class SubmissionLimits:
+    """How many jobs each application may submit (module docstring): at most ``concurrent`` of its
+    jobs being checked, queued or running at once, and at most ``per_minute`` submissions in any 60 s;
+    ``busy_seconds`` is the wait suggested when it has too many jobs at once."""
+
+    def __init__(
+        self,
+        concurrent: int,
+        per_minute: int,
+        busy_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.concurrent, self.per_minute, self.busy_seconds, self.clock = (
+            concurrent,
+            per_minute,
+            busy_seconds,
+            clock,
+        )
+        self._lock = threading.Lock()
+        self._checking: dict[int, int] = {}
+        self._recent: dict[int, deque[float]] = {}
+
+    def enter(self, app_id: int, active: Callable[[], int]) -> float | None:
+        """Admit one submission of ``app_id`` (``active()``: its jobs queued or running now): ``None``
+        when admitted (then :meth:`leave` when its check ends), else the seconds to wait."""
+        with self._lock:
+            now = self.clock()
+            recent = self._recent.setdefault(app_id, deque())
+            while recent and recent[0] <= now - 60.0:
+                recent.popleft()
+            if len(recent) >= self.per_minute:
+                return recent[0] + 60.0 - now
+            if active() + self._checking.get(app_id, 0) >= self.concurrent:
+                return self.busy_seconds
+            recent.append(now)
+            self._checking[app_id] = self._checking.get(app_id, 0) + 1
+            return None
+
+    def leave(self, app_id: int) -> None:
+        """The check of a submission :meth:`enter` admitted has ended."""
+        with self._lock:
+            self._checking[app_id] -= 1
+
+
+def _field_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
+    """A request's invalid fields as JSON-safe :class:`FieldError` dicts: where, what, which kind; never
+    the input itself (it may hold NaN or infinity, which JSON cannot carry, or be huge)."""
+    return [
+        {
+            "loc": [part if isinstance(part, int) else str(part) for part in error.get("loc", ())],
+            "msg": str(error.get("msg", "invalid")),
+            "type": str(error.get("type", "value_error")),
+        }
+        for error in exc.errors()
+    ]
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
 class _BodyLimit:
-    """ASGI middleware: 413 for a body larger than ``limit`` bytes (declared or streamed)."""
+    """ASGI middleware: 413 for a body larger than ``limit`` bytes, whether its ``Content-Length``
+    declares it or it is streamed (chunked): a body without a declared length is read here, up to the
+    limit, before the application sees it."""
 
     def __init__(self, app: Any, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -147,29 +257,37 @@ class _BodyLimit:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length", b"0")
-        if not declared.isdigit() or int(declared) > self.limit:
-            await _too_large(send, self.limit)
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit() or int(declared) > self.limit:
+                await _too_large(send, self.limit)
+                return
+            await self.app(scope, receive, send)
             return
+        chunks: list[bytes] = []
         seen = 0
-
-        async def limited() -> Any:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.limit:
+                await _too_large(send, self.limit)
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await _too_large(send, self.limit)
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
-
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, replay, send)
 
 
 async def _too_large(send: Any, limit: int) -> None:
@@ -228,7 +346,11 @@ def create_app(settings: ServiceSettings) -> FastAPI:
         settings.population,
         settings.folder / "jobs",
         program_seconds=settings.program_seconds,
+        job_seconds=settings.job_seconds,
         devices=devices,
+    )
+    limits = SubmissionLimits(
+        settings.jobs_per_application, settings.submissions_per_minute, settings.check_seconds
     )
     runner.recover()
     templates = Environment(
@@ -255,6 +377,9 @@ def create_app(settings: ServiceSettings) -> FastAPI:
     )
     app.state.engine = engine
     app.state.runner = runner
+    app.state.sign_in = auth.SignInThrottle(
+        settings.sign_in_failures, settings.sign_in_address_failures, settings.sign_in_lockout
+    )
     app.state.devices = devices
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
 
@@ -276,6 +401,10 @@ def create_app(settings: ServiceSettings) -> FastAPI:
             detail = [{"loc": ["body"], "msg": "the body is not valid JSON (UTF-8)", "type": "json_invalid"}]
             return JSONResponse({"detail": detail}, status_code=422)
         return await http_exception_handler(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _field_errors(exc)}, status_code=422)
 
     @app.exception_handler(FedveilError)
     async def _fedveil_error(_: Request, exc: FedveilError) -> JSONResponse:
@@ -323,14 +452,51 @@ def create_app(settings: ServiceSettings) -> FastAPI:
             for gid, name, text in rows
         ]
 
-    @app.post("/api/v1/jobs", status_code=202, response_model=JobStatus, responses=_ERRORS, tags=["jobs"])
+    def active_jobs(app_id: int) -> int:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.select(sa.func.count()).where(
+                        db.jobs.c.application_id == app_id, db.jobs.c.status.in_(("queued", "running"))
+                    )
+                ).scalar_one()
+            )
+
+    @app.post(
+        "/api/v1/jobs",
+        status_code=202,
+        response_model=JobStatus,
+        responses={**_ERRORS, 429: {"model": Problem}},
+        tags=["jobs"],
+    )
     def submit(job: JobRequest, app_id: int = Depends(application)) -> Any:
-        """Submit a job; it is checked against the groups' policies before anything runs."""
+        """Submit a job; it is checked against the groups' policies before anything runs (429 with
+        ``Retry-After`` when the application has too many jobs at once or submits too often)."""
+        wait = limits.enter(app_id, lambda: active_jobs(app_id))
+        if wait is not None:
+            detail = (
+                f"too many submissions: at most {settings.jobs_per_application} jobs checked, queued or "
+                f"running at once and {settings.submissions_per_minute} submissions a minute per "
+                "application; retry later"
+            )
+            return JSONResponse({"detail": detail}, status_code=429, headers=_retry_after(wait))
+        try:
+            return checked_job(job, app_id)
+        finally:
+            limits.leave(app_id)
+
+    def checked_job(job: JobRequest, app_id: int) -> Any:
+        """Check ``job`` within its budget, store it and queue it, or store and answer its refusal."""
         refused: Refused | None = None
         plan = None
         try:
             plan = validate(
-                engine, settings.population, app_id, job, program_seconds=settings.program_seconds
+                engine,
+                settings.population,
+                app_id,
+                job,
+                program_seconds=settings.program_seconds,
+                seconds=min(settings.check_seconds, settings.job_seconds),
             )
         except Refused as exc:
             refused = exc
@@ -478,14 +644,17 @@ def _install_dashboard(
     def root() -> RedirectResponse:
         return RedirectResponse("/admin", status_code=303)
 
-    @app.get("/admin/login", include_in_schema=False)
-    def login_page(error: str = "") -> HTMLResponse:
+    def sign_in_page(error: str, status: int = 200) -> HTMLResponse:
         token = secrets.token_urlsafe(24)
-        response = page("login.html", csrf=token, error=error[:200])
+        response = page("login.html", status, csrf=token, error=error[:200])
         response.set_cookie(
             LOGIN_COOKIE, token, httponly=True, samesite="strict", secure=settings.tls, path="/admin"
         )
         return response
+
+    @app.get("/admin/login", include_in_schema=False)
+    def login_page(error: str = "") -> HTMLResponse:
+        return sign_in_page(error)
 
     @app.post("/admin/login", include_in_schema=False)
     async def login(request: Request) -> Response:
@@ -493,10 +662,29 @@ def _install_dashboard(
         cookie = request.cookies.get(LOGIN_COOKIE, "")
         if not cookie or not secrets.compare_digest(cookie.encode(), form.get("csrf", "").encode()):
             raise HTTPException(403, "the sign-in form's CSRF token is missing or wrong: reload the page")
-        admin = auth.check_admin(engine, form.get("name", ""), form.get("password", ""))
+        name, address = form.get("name", ""), request.client.host if request.client else "?"
+        throttle: auth.SignInThrottle = app.state.sign_in
+        wait = throttle.retry_after(name, address)
+        if wait is not None:
+            minutes = max(1, math.ceil(wait / 60))
+            response = sign_in_page(
+                f"Too many failed sign-ins: try again in {minutes} minute{'s' if minutes > 1 else ''}.", 429
+            )
+            response.headers.update(_retry_after(wait))
+            return response
+        admin = auth.check_admin(engine, name, form.get("password", ""))
         if admin is None:
-            audit(engine, form.get("name", "")[:100] or "?", "sign-in failed", "wrong name or password")
-            return login_page("Wrong name or password.")
+            audit(engine, name[:100] or "?", "sign-in failed", f"wrong name or password, from {address}")
+            if throttle.failed(name, address):
+                audit(
+                    engine,
+                    name[:100] or "?",
+                    "sign-in locked",
+                    f"too many failed sign-ins for this name or from {address}: refused for "
+                    f"{settings.sign_in_lockout:g} s (restarting the service unlocks)",
+                )
+            return sign_in_page("Wrong name or password.")
+        throttle.succeeded(name)
         response = RedirectResponse("/admin", status_code=303)
         response.set_cookie(
             SESSION_COOKIE,

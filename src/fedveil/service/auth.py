@@ -7,6 +7,11 @@
   unknown key id costs the same digest against a dummy row, so timing says nothing about the secret.
   Revoked tokens stop working at once.
 - **Administrator passwords**: scrypt (``n = 2**14, r = 8, p = 1``) with a random salt.
+- **Sign-in throttling** (:class:`SignInThrottle`, after OWASP's authentication guidance): failed
+  sign-ins are counted per account name and per client address over a window; past the limit, further
+  attempts are refused (429) for a back-off period without checking the password, the same whether the
+  account exists or not. A successful sign-in clears the account's count. The counts live in the
+  service's memory: restarting the service unlocks everyone.
 - **Sessions**: a random cookie (``HttpOnly``, ``SameSite=Strict``, ``Secure`` over TLS) whose SHA-256 is
   stored with an expiry; each session has its own CSRF token, which every form carries in a hidden field
   and every state-changing request must echo (compared in constant time).
@@ -22,6 +27,10 @@ import hashlib
 import hmac
 import re
 import secrets
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -33,6 +42,7 @@ from fedveil.service import db
 __all__ = [
     "SESSION_HOURS",
     "Session",
+    "SignInThrottle",
     "check_admin",
     "create_admin",
     "create_application",
@@ -154,6 +164,73 @@ def check_admin(engine: Engine, name: str, password: str) -> int | None:
     salt, stored = (row["salt"], row["digest"]) if row else (_DUMMY_SALT, "0" * 64)
     ok = hmac.compare_digest(_scrypt(salt, password), stored)
     return int(row["id"]) if ok and row is not None else None
+
+
+class SignInThrottle:
+    """Failed administrator sign-ins, per account and per client address (module docstring): an account
+    name with ``per_account`` failures, or an address with ``per_address``, within ``lockout`` seconds
+    is refused for ``lockout`` seconds from its last failure. At most ``keys`` names and addresses are
+    remembered (the least recently failed are forgotten first), so a flood of made-up names cannot
+    exhaust memory."""
+
+    def __init__(
+        self,
+        per_account: int = 5,
+        per_address: int = 20,
+        lockout: float = 900.0,
+        *,
+        keys: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_account, self.per_address, self.lockout, self.keys, self.clock = (
+            per_account,
+            per_address,
+            lockout,
+            keys,
+            clock,
+        )
+        self._lock = threading.Lock()
+        self._failures: OrderedDict[tuple[str, str], deque[float]] = OrderedDict()
+
+    def _limits(self, name: str, address: str) -> list[tuple[tuple[str, str], int]]:
+        return [(("account", name[:100]), self.per_account), (("address", address), self.per_address)]
+
+    def _recent(self, key: tuple[str, str], now: float) -> deque[float]:
+        times = self._failures.get(key, deque())
+        while times and times[0] <= now - self.lockout:
+            times.popleft()
+        return times
+
+    def retry_after(self, name: str, address: str) -> float | None:
+        """Seconds until ``name`` may try again from ``address``, or ``None`` if it may now."""
+        with self._lock:
+            now = self.clock()
+            waits = [
+                times[-1] + self.lockout - now
+                for key, limit in self._limits(name, address)
+                if len(times := self._recent(key, now)) >= limit
+            ]
+        return max(waits) if waits else None
+
+    def failed(self, name: str, address: str) -> bool:
+        """Count a failed sign-in; ``True`` if it locks the account or the address."""
+        locked = False
+        with self._lock:
+            now = self.clock()
+            for key, limit in self._limits(name, address):
+                times = self._recent(key, now)
+                times.append(now)
+                self._failures[key] = times
+                self._failures.move_to_end(key)
+                locked |= len(times) == limit
+            while len(self._failures) > self.keys:
+                self._failures.popitem(last=False)
+        return locked
+
+    def succeeded(self, name: str) -> None:
+        """A successful sign-in clears the account's failures (not its address's)."""
+        with self._lock:
+            self._failures.pop(("account", name[:100]), None)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,13 @@ checks, and charges the per-group ledger the epsilon its rounds will cost, so th
 ``return`` meet exactly the refusals the real run would. A job whose program the policies refuse is
 stored as ``refused`` with the policy's reason and never trains.
 
+**Time.** A job has one wall-clock budget (the service's ``job_seconds``) that covers everything it
+causes: its check and its run, the global program in the sandbox and every call it makes into the
+server (each host function checks the deadline before and after its work, each ``run_fl`` round after
+the round, and the sandbox stops the program at it, :class:`~fedveil.privacy.sandbox.DeadlineExceeded`).
+The check may use at most ``check_seconds`` of it, so that a submission is answered within that; the run
+gets what the check left. A job past its budget ends ``failed``, with the reason and an audit event.
+
 **Running** (:class:`JobRunner`): one job at a time on a worker thread, through the same
 ``run_strategy`` without ``dry``: the devices (simulated here: the service's population, each device
 holding its data pair and enforcing its group's policy, :class:`~fedveil.protocols.polifl.PolicyDevices`)
@@ -40,7 +47,7 @@ from sqlalchemy.engine import Engine
 from fedveil.errors import ConfigError, FedveilError
 from fedveil.privacy.pairs import PolicyViolation
 from fedveil.privacy.policy import budget_of, parse
-from fedveil.privacy.sandbox import SandboxError, compile_program
+from fedveil.privacy.sandbox import DeadlineExceeded, SandboxError, compile_program
 from fedveil.service import db
 
 __all__ = [
@@ -80,7 +87,7 @@ class GroupRequest(BaseModel):
     """A group the job asks for, and the DP noise ``sigma`` it will add to each round's sum of clipped
     updates for it (``null``: no DP; the group's policy decides whether that can be released)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     name: str = Field(pattern=NAME_PATTERN)
     noise: float | None = Field(default=None, gt=0, le=1e6)
 
@@ -88,7 +95,7 @@ class GroupRequest(BaseModel):
 class Hyper(BaseModel):
     """The training's hyper-parameters (PoliFL's FedAvg with DP, Eq. 1 and Alg. 3)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     rounds: int = Field(default=5, ge=1, le=5000, description="rounds per run_fl stage the program asks for")
     clients_per_round: int = Field(default=10, ge=1, le=10_000)
     local_epochs: int = Field(default=1, ge=1, le=50)
@@ -107,7 +114,7 @@ class JobRequest(BaseModel):
     ``epsilon``), the local program (source defining ``prepare(data)``, calling ``get_data``, ``filter``,
     ``in_geofence_cond``; empty: ``get_data`` only), the model and the groups."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     name: str = Field(pattern=NAME_PATTERN)
     global_program: str = Field(min_length=1, max_length=PROGRAM_CHARS)
     local_program: str = Field(default="", max_length=PROGRAM_CHARS)
@@ -278,11 +285,17 @@ def validate(
     request: JobRequest,
     *,
     program_seconds: float = 10.0,
+    seconds: float | None = None,
 ) -> dict[str, Any]:
     """Check ``request`` against the policies without training (module docstring); returns the plan
-    (stages, planned rounds, predicted epsilon per group); :class:`Refused` names what refuses it.
-    ``program_seconds``: the global program's own running time limit (its host calls not counted)."""
+    (stages, planned rounds, predicted epsilon per group, and the ``seconds`` the check took);
+    :class:`Refused` names what refuses it. ``program_seconds``: the global program's own running time
+    limit; ``seconds``: the check's wall-clock budget, everything it causes counted (past it, a
+    :class:`Refused` that fails the program)."""
     from fedveil.experiments.polifl import build_task, network_task, run_strategy
+
+    started = time.monotonic()
+    deadline = None if seconds is None else started + seconds
 
     if request.model not in MODELS[population.kind]:
         raise Refused(
@@ -303,7 +316,17 @@ def validate(
     except PolicyViolation as exc:
         raise Refused(f"the policies refuse this job before it runs: {exc}", 403) from None
     with tempfile.TemporaryDirectory(prefix="fedveil-dry-") as tmp:
-        summary = run_strategy(run, task, "program", Path(tmp), progress=False, dry=True)
+        try:
+            summary = run_strategy(
+                run, task, "program", Path(tmp), progress=False, dry=True, deadline=deadline
+            )
+        except DeadlineExceeded as exc:
+            raise Refused(
+                f"checking the job took longer than its {seconds} s: {exc}; make the global program "
+                "finish (a loop around run_fl or release that never ends is stopped here)",
+                422,
+                program_failed=True,
+            ) from None
     if summary["refusals"]:
         raise Refused(f"the policies refuse this job before it runs: {summary['refusals'][0]}", 403)
     if not summary["released"]:
@@ -322,6 +345,7 @@ def validate(
         "rounds": summary["rounds"],
         "epsilon": {g: r["epsilon"] for g, r in summary["privacy"].items()},
         "budgets": {g: budget_of(parse(policies[g])) for g in policies},
+        "seconds": round(time.monotonic() - started, 3),
     }
 
 
@@ -345,8 +369,10 @@ def audit(engine: Engine, actor: str, action: str, detail: str) -> None:
 
 class JobRunner:
     """Runs queued jobs one at a time on a daemon thread (module docstring); ``folder`` holds each job's
-    files (``folder/<id>/``); ``program_seconds`` as in :func:`validate`; ``devices``: the service's
-    :class:`~fedveil.service.network.DeviceNetwork` when its devices are networked agents."""
+    files (``folder/<id>/``); ``program_seconds`` as in :func:`validate`; ``job_seconds``: each job's
+    wall-clock budget (module docstring), less what its check and any earlier run of it used;
+    ``devices``: the service's :class:`~fedveil.service.network.DeviceNetwork` when its devices are
+    networked agents."""
 
     def __init__(
         self,
@@ -355,9 +381,11 @@ class JobRunner:
         folder: Path,
         *,
         program_seconds: float = 10.0,
+        job_seconds: float = 3600.0,
         devices: Any = None,
     ) -> None:
         self.program_seconds = program_seconds
+        self.job_seconds = job_seconds
         self.devices = devices
         self.engine = engine
         self.population = population
@@ -436,6 +464,9 @@ class JobRunner:
         request = JobRequest.model_validate_json(row["request"])
         out = self.folder / str(job_id)
         last = [0.0]
+        earlier = json.loads(row["progress"] or row["plan"] or "{}").get("seconds", 0.0)
+        started = time.monotonic()
+        deadline = started + self.job_seconds - earlier
 
         def on_round(line: dict[str, Any], epsilon: Any) -> None:
             with self.engine.connect() as conn:
@@ -443,6 +474,7 @@ class JobRunner:
             if cancel or self._stop.is_set():
                 raise Cancelled("cancelled" if cancel else "service stopping")
             progress = {"round": line["round"], "stage": line["stage"], "loss": line.get("loss")}
+            progress["seconds"] = round(earlier + time.monotonic() - started, 3)
             if time.monotonic() - last[0] > 1.0:
                 progress["epsilon"] = epsilon()
                 last[0] = time.monotonic()
@@ -454,13 +486,21 @@ class JobRunner:
             run = _run_of(self.population, request, policies, members, self.program_seconds)
             if self.devices is None:
                 task = build_task(run, members)
-                summary = run_strategy(run, task, "program", out, progress=False, on_round=on_round)
+                summary = run_strategy(
+                    run, task, "program", out, progress=False, on_round=on_round, deadline=deadline
+                )
             else:
-                task, summary = self._run_networked(run, members, out, on_round, timings)
+                task, summary = self._run_networked(run, members, out, on_round, timings, deadline)
         except Cancelled as exc:
             status = "cancelled" if str(exc) == "cancelled" else "interrupted"
             _set(self.engine, job_id, status=status)
             log.info("job %d %s", job_id, status)
+            return
+        except DeadlineExceeded as exc:
+            reason = f"the job ran past its time budget of {self.job_seconds} s: {exc}"
+            _set(self.engine, job_id, status="failed", outcome=json.dumps({"error": reason}))
+            audit(self.engine, f"job {job_id}", "job failed", reason)
+            log.warning("job %d failed: %s", job_id, reason)
             return
         except FedveilError as exc:
             _set(self.engine, job_id, status="failed", outcome=json.dumps({"error": str(exc)}))
@@ -502,7 +542,13 @@ class JobRunner:
         log.info("job %d finished (released: %s)", job_id, summary["released"])
 
     def _run_networked(
-        self, run: Any, members: dict[str, list[str]], out: Path, on_round: Any, timings: list[Any]
+        self,
+        run: Any,
+        members: dict[str, list[str]],
+        out: Path,
+        on_round: Any,
+        timings: list[Any],
+        deadline: float,
     ) -> tuple[Any, dict[str, Any]]:
         """A job's task and its stages' summary over the device port, with each group's connected
         members."""
@@ -525,6 +571,7 @@ class JobRunner:
                 progress=False,
                 on_round=on_round,
                 network=self.devices.network(),
+                deadline=deadline,
             )
         finally:
             timings.extend(self.devices.timings_since(start))

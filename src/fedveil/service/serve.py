@@ -8,7 +8,9 @@ or is generated and printed once. The socket is bound before uvicorn starts, so 
 picks a free port and the first line printed says which; ``--stop-after`` ends the service by itself
 (tests, demos). ``--devices-listen`` opens the device port: the population is then the device agents
 that connect with certificates of this PKI (``fedveil certs device NAME``, or enrolment tokens on
-``--enrol-listen``), holding ``--population``'s kind of data.
+``--enrol-listen``), holding ``--population``'s kind of data. The limits (each job's time budget,
+submissions per application, body size, sign-in throttling) are
+:class:`~fedveil.service.app.ServiceSettings`' with their defaults unless options set them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import secrets
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fedveil.errors import ConfigError
@@ -44,6 +46,13 @@ class ServeOptions:
     demo: bool = False
     devices_listen: str | None = None
     enrol_listen: str | None = None
+    job_seconds: float = 3600.0
+    check_seconds: float = 30.0
+    jobs_per_application: int = 4
+    submissions_per_minute: int = 30
+    sign_in_failures: int = 5
+    sign_in_address_failures: int = 20
+    sign_in_lockout: float = 900.0
 
 
 def bootstrap_admin(engine: object, name: str) -> str | None:
@@ -84,13 +93,26 @@ def serve(options: ServeOptions) -> int:
     from fedveil.service.app import ServiceSettings, create_app
     from fedveil.service.jobs import Population
 
+    settings = ServiceSettings(
+        db=options.db or str(options.folder / "fedveil.db"),
+        folder=options.folder,
+        max_body_bytes=options.max_body_bytes,
+        tls=not options.insecure,
+        job_seconds=options.job_seconds,
+        check_seconds=options.check_seconds,
+        jobs_per_application=options.jobs_per_application,
+        submissions_per_minute=options.submissions_per_minute,
+        sign_in_failures=options.sign_in_failures,
+        sign_in_address_failures=options.sign_in_address_failures,
+        sign_in_lockout=options.sign_in_lockout,
+    )  # checks the limits before anything starts
     host, port = parse_listen(options.listen)
     if options.pki is not None and options.insecure:
         raise ConfigError("give either --pki or --insecure, not both")
     if options.stop_after is not None and not options.stop_after > 0:
         raise ConfigError(f"--stop-after {options.stop_after!r} must be > 0 seconds")
     options.folder.mkdir(parents=True, exist_ok=True)
-    url = options.db or str(options.folder / "fedveil.db")
+    url = settings.db
     if options.enrol_listen is not None and options.devices_listen is None:
         raise ConfigError("--enrol-listen enrols networked devices: give --devices-listen too")
     if options.devices_listen is not None:
@@ -115,12 +137,9 @@ def serve(options: ServeOptions) -> int:
         tls = {"ssl_keyfile": str(root / "server.key"), "ssl_certfile": str(root / "server.crt")}
     else:
         print("fedveil serve: WARNING: --insecure: plaintext HTTP, tokens travel in clear", file=sys.stderr)
-    settings = ServiceSettings(
-        db=url,
-        folder=options.folder,
+    settings = replace(
+        settings,
         population=population,
-        max_body_bytes=options.max_body_bytes,
-        tls=not options.insecure,
         devices_listen=options.devices_listen,
         enrol_listen=options.enrol_listen,
         pki=root,
