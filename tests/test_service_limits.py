@@ -475,3 +475,29 @@ def test_a_lock_ends_after_its_back_off_and_memory_stays_bounded() -> None:
     for i in range(500):
         throttle.failed(f"made-up-{i}", f"10.1.{i // 250}.{i % 250}")
     assert len(throttle._failures) <= 50
+
+
+def test_fedveil_serve_takes_the_limits_as_flags_and_refuses_bad_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedveil.cli import main
+    from fedveil.service import serve
+
+    seen: list[Any] = []
+    monkeypatch.setattr(serve, "serve", seen.append)
+    flags = ["--job-seconds", "120", "--check-seconds", "5", "--jobs-per-application", "2"]
+    flags += ["--submissions-per-minute", "7", "--max-body-bytes", "4096", "--sign-in-failures", "3"]
+    flags += ["--sign-in-address-failures", "9", "--sign-in-lockout", "60"]
+    main(["serve", "--data", str(tmp_path), *flags])
+    options = seen[0]
+    assert (options.job_seconds, options.check_seconds, options.jobs_per_application) == (120.0, 5.0, 2)
+    assert (options.submissions_per_minute, options.max_body_bytes) == (7, 4096)
+    assert (options.sign_in_failures, options.sign_in_address_failures, options.sign_in_lockout) == (
+        3,
+        9,
+        60.0,
+    )
+    monkeypatch.undo()
+    assert main(["serve", "--data", str(tmp_path), "--job-seconds", "0", "--insecure"]) == 2
+    assert "job_seconds 0.0 must be a number of seconds > 0" in capsys.readouterr().err
+    assert not (tmp_path / "fedveil.db").exists()  # refused before anything started
