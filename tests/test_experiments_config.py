@@ -77,3 +77,47 @@ def test_overrides() -> None:
     assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         parse_overrides(["fdml.lr"])
+
+
+@pytest.mark.parametrize(
+    ("items", "named"),
+    [
+        (["data.path=/nonexistent/touch.csv"], "data.path='/nonexistent/touch.csv' has no effect"),
+        (["fedavg.lr=0.5"], "fedavg.lr=0.5 has no effect: protocol is 'fdml'"),
+        (["protocol=fedavg", "fdml.lr=0.5"], "fdml.lr=0.5 has no effect: protocol is 'fedavg'"),
+        (["enclave.boundary=none", "enclave.memory_limit_mib=8"], "enclave.memory_limit_mib=8 has no effect"),
+        (["dp.round_epsilon=4"], "dp.round_epsilon=4 has no effect: dp.enabled is false"),
+        (["data.image_size=48"], "it sizes CameraAuth photos; data.kind is 'touchauth-synthetic'"),
+        (["model.width=0.5"], "only ResNet-34 has it; the network is 'touchauth'"),
+        (["faults.train.fail_prob=0.5"], "faults.train.fail_prob=0.5 has no effect"),
+        (["data.kind=cameraauth-synthetic", "data.test_users_per_model=[3]"], "it counts touch users"),
+    ],
+)
+def test_a_key_the_setting_ignores_is_refused(items: list[str], named: str) -> None:
+    assert load_config(None, items)  # accepted where ignored keys are allowed (library default)
+    with pytest.raises(ConfigError, match="remove it, or change the setting it depends on") as err:
+        load_config(None, items, refuse_ignored=True)
+    assert named in str(err.value)
+
+
+def test_every_shipped_config_sets_only_keys_it_uses() -> None:
+    for path in CONFIGS:
+        load_config(path, refuse_ignored=True)
+
+
+def test_a_data_path_that_is_read_must_exist(tmp_path: Path) -> None:
+    items = ["data.kind=touchauth-csv", f"data.path={tmp_path / 'missing.csv'}"]
+    with pytest.raises(ConfigError, match=r"missing\.csv' does not exist"):
+        load_config(None, items, refuse_ignored=True)
+
+
+def test_cli_refuses_an_ignored_key_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedveil.cli import main
+
+    out = tmp_path / "x"
+    config = str(ROOT / "table1_fdml.yaml")
+    assert main(["run", config, "--out", str(out), "--set", "data.path=/nonexistent/x.csv"]) == 2
+    assert "data.path='/nonexistent/x.csv' has no effect" in capsys.readouterr().err
+    assert not out.exists(), "nothing was trained or written"

@@ -9,13 +9,27 @@ user can call it from Python too.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import pkgutil
+import shlex
 import sys
 from collections.abc import Sequence
 
 from fedveil import __version__, commands
-from fedveil.errors import FedveilError
+from fedveil.errors import FedveilError, RunInterrupted
+
+#: What to do about a file system error, by errno (a full or read-only disk ends a run with one line).
+DISK_ERRORS = {
+    errno.ENOSPC: "free some space there, or choose another --out",
+    errno.EDQUOT: "free some of your quota there, or choose another --out",
+    errno.EROFS: "the file system is read-only: choose a writable --out",
+    errno.EACCES: "you may not write there: choose another --out",
+    errno.EPERM: "you may not write there: choose another --out",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another --out",
+    errno.EISDIR: "a directory stands where a file is expected: choose another --out",
+    errno.EIO: "the disk reported an I/O error: check it, or choose another --out",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,16 +48,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    name = args.command
     try:
         return int(args.func(args) or 0)
-    except FedveilError as exc:
-        print(f"fedveil {args.command}: error: {exc}", file=sys.stderr)
+    except RunInterrupted as exc:
+        print(f"fedveil {name}: {exc}; continue with: {continue_command(argv, args)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"fedveil {name}: interrupted", file=sys.stderr)
+        return 130
+    except FedveilError as exc:
+        print(f"fedveil {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in DISK_ERRORS:
+            raise
+        where = exc.filename or getattr(args, "out", None) or "."
+        print(
+            f"fedveil {name}: error: cannot write {str(where)!r}: {exc.strerror}; {DISK_ERRORS[exc.errno]}"
+            + (f"; then continue with: {continue_command(argv, args)}" if hasattr(args, "resume") else ""),
+            file=sys.stderr,
+        )
+        return 2
+
+
+def continue_command(argv: Sequence[str], args: argparse.Namespace) -> str:
+    """The command that continues an interrupted run: ``argv`` with ``--resume`` (and without
+    ``--overwrite``) for a command that has ``--resume``, else ``argv`` itself (a command that resumes
+    by itself, as ``reproduce`` does)."""
+    words = list(argv)
+    if hasattr(args, "resume"):
+        words = [w for w in words if w != "--overwrite"]
+        if "--resume" not in words:
+            words.append("--resume")
+    return shlex.join(["fedveil", *words])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from fedveil.experiments.checkpoint import add_run_dir_arguments
 from fedveil.experiments.config import load_config
 from fedveil.experiments.report import format_results
 
@@ -33,6 +34,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--out", type=Path, default=Path("runs") / "demo", help="run directory (default: runs/demo)"
     )
+    add_run_dir_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -40,11 +42,13 @@ def run(args: argparse.Namespace) -> int:
     """Train the demo and print its results table."""
     from fedveil.experiments.runner import run_experiment
 
-    cfg = load_config(demo_config_path(), args.overrides)
+    cfg = load_config(demo_config_path(), args.overrides, refuse_ignored=True)
     print(
         f"fedveil demo: FDML, {cfg.rounds} rounds of {cfg.fdml.num_required} users x "
         f"{cfg.fdml.samples_per_client} samples on the synthetic TouchAuth population; run dir {args.out}"
     )
-    results = run_experiment(cfg, args.out, progress=sys.stderr.isatty())
+    results = run_experiment(
+        cfg, args.out, progress=sys.stderr.isatty(), resume=args.resume, overwrite=args.overwrite
+    )
     print(format_results(results, args.out))
     return 0

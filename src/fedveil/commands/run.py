@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fedveil.experiments.checkpoint import add_run_dir_arguments
 from fedveil.experiments.config import load_config
 from fedveil.experiments.network_options import add_network_arguments, ray_plan, with_runtime
 from fedveil.experiments.report import format_results
@@ -28,7 +29,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<name>)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    add_run_dir_arguments(p)
     add_network_arguments(p, default_agents=8, clients="devices")
     p.set_defaults(func=run)
 
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     """Load and check the whole config first, then train."""
     from fedveil.experiments.runner import run_experiment
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, refuse_ignored=True)
     out = args.out or Path("runs") / cfg.name
     results = with_runtime(
         args,
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
             out,
             progress=not args.no_progress and sys.stderr.isatty(),
             resume=args.resume,
+            overwrite=args.overwrite,
             network=network,
             ray=ray_plan(args),
         ),

@@ -2,7 +2,8 @@
 
 A new file is written next to the target (created with its final permissions, so a private key is never
 readable by others, not even for a moment), flushed and fsynced, renamed over the target, and the
-directory is fsynced so that the rename itself survives a power cut.
+directory is fsynced so that the rename itself survives a power cut. A disk error (full, read-only)
+names the target, not the temporary file.
 """
 
 from __future__ import annotations
@@ -35,16 +36,22 @@ def atomic_file(path: str | Path, *, mode: int = 0o644) -> Iterator[BinaryIO]:
     exception (and is discarded otherwise)."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except OSError as exc:
+        exc.filename = str(target)  # a disk error names the file the user knows, not the temporary one
+        raise
     try:
         with os.fdopen(fd, "wb") as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename in (None, str(tmp)):
+            exc.filename = str(target)
         raise
     fsync_dir(target.parent)
 

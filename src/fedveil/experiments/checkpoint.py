@@ -9,24 +9,39 @@ read with ``allow_pickle=False``.
 ``privacy_spent.jsonl`` has one line per round whose derivatives the enclave released, appended and
 fsynced **before** the release (FDML's ``before_release`` hook). A resumed run counts every line, also
 the rounds that crashed after their release and before their checkpoint: their spend is real.
+
+A run directory holds one run (:func:`prepare_run_dir`): a new run refuses a directory that holds
+anything unless told to continue it (``resume``) or to clear it first (``overwrite``), and a checkpoint
+names the config it was trained under (:func:`config_digest`), so that one run's weights never continue
+another run. :class:`StopAtRoundEnd` is every runner's Ctrl-C: the first stops the run at the end of its
+round, after the round's checkpoint; a second stops it at once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from collections.abc import Mapping
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedveil.core.atomic import atomic_file
-from fedveil.errors import ConfigError
+from fedveil.core.atomic import atomic_file, fsync_dir
+from fedveil.errors import ConfigError, RunInterrupted
 
 CHECKPOINT = "checkpoint.npz"
 SPEND_LOG = "privacy_spent.jsonl"
+#: Files whose presence marks a directory as a fedveil run directory (what ``overwrite`` may clear).
+RUN_FILES = ("config.yaml", "config.json", "metrics.jsonl", "results.json", CHECKPOINT, SPEND_LOG)
+#: Test hook (:func:`crash_point`): ``NAME:ROUND`` makes the process SIGKILL itself there.
+CRASH_ENV = "FEDVEIL_CRASH_AT"
 
 
 @dataclass
@@ -101,3 +116,121 @@ class SpendLog:
     def reset(self) -> None:
         """Start a fresh run's log."""
         self.path.unlink(missing_ok=True)
+
+
+def config_digest(resolved: str | bytes) -> str:
+    """The identity of a run's resolved config (its text): SHA-256, hex. A checkpoint records it, and a
+    resumed run continues the checkpoint only under the same digest."""
+    data = resolved.encode("utf-8") if isinstance(resolved, str) else resolved
+    return hashlib.sha256(data).hexdigest()
+
+
+def add_run_dir_arguments(parser: Any) -> None:
+    """Add ``--resume`` and ``--overwrite`` (:func:`prepare_run_dir`) to a run command's ``parser``."""
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run in the run directory from its last checkpoint"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="clear the run directory (checkpoint and DP spend log included) and start afresh",
+    )
+
+
+def prepare_run_dir(directory: str | Path, *, resume: bool, overwrite: bool) -> Path:
+    """Make ``directory`` ready for a run and return it.
+
+    A new run (neither flag) needs a missing or empty directory: one holding anything is refused, naming
+    ``--resume`` (continue the run there) and ``--overwrite`` (clear it first). ``overwrite`` empties it
+    before anything of the new run is written (checkpoint and DP spend log included), and only when it
+    holds a run (:data:`RUN_FILES`), so that a mistyped ``--out`` never deletes a user's folder.
+    ``resume`` keeps it as it is."""
+    out = Path(directory)
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in the directory and --overwrite clears it: give one")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"run directory {str(out)!r} is a file, not a directory: choose another --out")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not resume:
+        if not overwrite:
+            shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+            raise ConfigError(
+                f"run directory {str(out)!r} is not empty ({shown}): continue the run in it with --resume, "
+                "clear it with --overwrite, or choose another --out"
+            )
+        if not set(entries) & set(RUN_FILES):
+            raise ConfigError(
+                f"--overwrite: {str(out)!r} does not hold a fedveil run (none of {', '.join(RUN_FILES)}); "
+                "it is left as it is: choose another --out"
+            )
+        for name in entries:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        fsync_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def check_checkpoint_identity(out: Path, ckpt: Checkpoint, digest: str) -> None:
+    """Refuse to continue ``ckpt`` under a config whose :func:`config_digest` is not the one it was
+    trained under (or a checkpoint that names none)."""
+    theirs = ckpt.meta.get("config_sha256")
+    if theirs != digest:
+        why = "names no config" if theirs is None else "was trained under another config"
+        raise ConfigError(
+            f"{out / CHECKPOINT} (round {ckpt.round}) {why}: it is not this run's and is not resumed; "
+            "resume with the config it was started with, or start afresh with --overwrite"
+        )
+
+
+def crash_point(name: str, rnd: int) -> None:
+    """Test hook for crash tests: when the environment variable :data:`CRASH_ENV` is ``name:rnd``, this
+    process kills itself with SIGKILL here (as a power cut would stop it). Unset, it does nothing."""
+    if os.environ.get(CRASH_ENV) == f"{name}:{rnd}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopAtRoundEnd:
+    """Ctrl-C for a training loop, the same in every runner (a context manager).
+
+    While it is active (in the main thread: signals reach no other), the first SIGINT only sets
+    :attr:`requested` and says so on stderr; the loop calls :meth:`check` at the end of each round, after
+    the round's checkpoint, and stops there with :class:`~fedveil.errors.RunInterrupted`. A second
+    SIGINT raises ``KeyboardInterrupt`` at once, which the runner turns into ``RunInterrupted`` too:
+    no traceback either way. ``what`` names the run in the stderr note."""
+
+    def __init__(self, what: str = "the run") -> None:
+        self.what = what
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> StopAtRoundEnd:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(
+            f"\nCtrl-C: {self.what} stops at the end of this round, after its checkpoint "
+            "(Ctrl-C again stops it at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def check(self, message: Callable[[], str]) -> None:
+        """Raise ``RunInterrupted(message())`` if Ctrl-C was pressed (call at the end of a round)."""
+        if self.requested:
+            raise RunInterrupted(message())

@@ -364,11 +364,95 @@ def build_dataclass(cls: type, raw: Mapping[str, Any], base: Mapping[str, Any] |
     return _build(cls, _merge(dict(base or {}), raw))
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """Load, override and validate an experiment config (``path=None`` starts from the defaults)."""
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, refuse_ignored: bool = False
+) -> ExperimentConfig:
+    """Load, override and validate an experiment config (``path=None`` starts from the defaults).
+
+    ``refuse_ignored`` (the commands that train) also refuses a key the chosen setting does not use
+    (:func:`ignored_keys`: it would have no effect) and a ``data.path`` that does not exist."""
     raw: dict[str, Any] = {} if path is None else read_yaml_mapping(path)
     raw = _merge(raw, parse_overrides(overrides))
-    return _build(ExperimentConfig, raw)
+    cfg = _build(ExperimentConfig, raw)
+    if refuse_ignored:
+        ignored = ignored_keys(cfg, raw)
+        if ignored:
+            raise ConfigError(
+                f"{'; '.join(ignored)}: remove {'it' if len(ignored) == 1 else 'them'}, or change the "
+                "setting it depends on"
+            )
+        if cfg.data.path is not None and not Path(cfg.data.path).exists():
+            raise ConfigError(f"data.path: {cfg.data.path!r} does not exist (data.kind {cfg.data.kind!r})")
+    return cfg
+
+
+def _dotted(raw: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(_dotted(value, f"{path}."))
+        else:
+            out[path] = value
+    return out
+
+
+def ignored_keys(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> list[str]:
+    """The keys given in ``raw`` (a config file with its overrides) that ``cfg``'s setting never reads,
+    each as ``"key=value has no effect: why"``: a path with synthetic data, photo sizes with touch data,
+    one protocol's section in the other's run, the enclave without FDML's TEE, DP settings with
+    ``dp.enabled: false``, ..."""
+    d = cfg.data
+    camera = d.kind.startswith("cameraauth")
+    kind = f"data.kind is {d.kind!r}"
+    rules: list[tuple[str, bool, str]] = [
+        (
+            "data.path",
+            d.kind not in ("touchauth-csv", "cameraauth-folder"),
+            f"only data.kind touchauth-csv and cameraauth-folder read a path; {kind}",
+        ),
+        (
+            "data.train_users_per_model",
+            d.kind != "touchauth-synthetic",
+            f"only data.kind touchauth-synthetic draws its users; {kind}",
+        ),
+        ("data.test_users_per_model", camera, f"it counts touch users; {kind}"),
+        *(
+            (f"data.{k}", not camera, f"it sizes CameraAuth photos; {kind}")
+            for k in ("train_people", "test_people", "train_photos", "test_photos", "image_size")
+        ),
+        *(
+            (
+                f"model.{k}",
+                cfg.network != "resnet34",
+                f"only ResNet-34 has it; the network is {cfg.network!r}",
+            )
+            for k in ("width", "norm")
+        ),
+        ("fdml", cfg.protocol != "fdml", f"protocol is {cfg.protocol!r}"),
+        ("fedavg", cfg.protocol != "fedavg", f"protocol is {cfg.protocol!r}"),
+        ("enclave", cfg.protocol != "fdml", f"only FDML has an enclave; protocol is {cfg.protocol!r}"),
+        (
+            "enclave.memory_limit_mib",
+            cfg.enclave.boundary == "none",
+            "enclave.boundary is 'none': no enclave runs",
+        ),
+        ("faults.embed", cfg.protocol != "fdml", f"it is an FDML phase; protocol is {cfg.protocol!r}"),
+        ("faults.grad", cfg.protocol != "fdml", f"it is an FDML phase; protocol is {cfg.protocol!r}"),
+        ("faults.train", cfg.protocol != "fedavg", f"it is FedAvg's phase; protocol is {cfg.protocol!r}"),
+        *(
+            (f"dp.{k}", not cfg.dp.enabled, "dp.enabled is false")
+            for k in (f.name for f in dataclasses.fields(DPSection))
+            if k != "enabled"
+        ),
+    ]
+    out = []
+    for key, value in _dotted(raw).items():
+        for prefix, unused, why in rules:
+            if unused and (key == prefix or key.startswith(f"{prefix}.")):
+                out.append(f"{key}={value!r} has no effect: {why}")
+                break
+    return out
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -159,8 +159,7 @@ def _run_cell(
     for item in [f"runtime.threads={threads}", *overrides]:
         cmd += ["--set", item]
     resumed = (out / "checkpoint.npz").is_file() and (out / "config.yaml").is_file()
-    if resumed:
-        cmd.append("--resume")
+    cmd.append("--resume")  # a cut-off cell continues; a cell never started starts (its dir holds a log)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(out / "log.txt", "a" if resumed else "w", encoding="utf-8") as log:
@@ -169,6 +168,25 @@ def _run_cell(
         return out, 0.0, "not started (interrupted)"
     status = "done" if code == 0 else f"failed (exit {code}, see {out / 'log.txt'})"
     return out, time.perf_counter() - start, f"{status} (resumed)" if resumed and code == 0 else status
+
+
+def _overrides_per_cell(
+    cfg_dir: Path, cells: Sequence[Cell], overrides: Sequence[str]
+) -> dict[str, list[str]]:
+    """Each cell's share of the table-wide ``overrides``: those its config reads. One ``--set`` list
+    serves tables that mix protocols (``fdml.*`` is not passed to an FL-traditional cell, whose
+    ``fedveil run`` would refuse it as a key without effect); a key a cell does not know is still
+    refused, by that cell's run."""
+    from fedveil.experiments.config import ignored_keys, load_config, parse_overrides
+
+    def reads(cfg: Any, item: str) -> bool:
+        return not ignored_keys(cfg, parse_overrides([item]))
+
+    kept = {}
+    for cell in cells:
+        cfg = load_config(cfg_dir / cell.config, overrides)
+        kept[cell.config] = [item for item in overrides if reads(cfg, item)]
+    return kept
 
 
 def seed_dirs(base: Path, cell: Cell, seeds: int) -> list[Path]:
@@ -242,8 +260,9 @@ def reproduce(
         else []
         for c in cells
     }
+    used = _overrides_per_cell(cfg_dir, cells, overrides)
     runs = [
-        (cell, path, [*overrides, *scaled[cell.config], *([f"seed={i}"] if seeds > 1 else [])])
+        (cell, path, [*used[cell.config], *scaled[cell.config], *([f"seed={i}"] if seeds > 1 else [])])
         for cell in cells
         for i, path in enumerate(seed_dirs(base, cell, seeds))
     ]

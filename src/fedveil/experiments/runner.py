@@ -1,9 +1,9 @@
 """Run one experiment from its config and write its run directory (DESIGN.md, "Results").
 
 ``runs/<name>/`` receives ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one JSON line per
-round, flushed as it is written, plus one ``{"eval": ...}`` line per evaluation), ``checkpoint.npz``
-(the latest global weights, written at every evaluation), ``results.json`` (final metrics) and PNG
-plots (``loss.png``, ``accuracy.png``, ``roc.png``).
+round, fsynced as it is written, plus one ``{"eval": ...}`` line per evaluation), ``checkpoint.npz``
+(the server's state after the latest round, written after that round's line), ``results.json`` (final
+metrics) and PNG plots (``loss.png``, ``accuracy.png``, ``roc.png``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import asyncio
 import functools
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -39,7 +40,12 @@ from fedveil.eval.verification import authentication_accuracy
 from fedveil.experiments.checkpoint import (
     Checkpoint,
     SpendLog,
+    StopAtRoundEnd,
+    check_checkpoint_identity,
+    config_digest,
+    crash_point,
     load_checkpoint,
+    prepare_run_dir,
     save_checkpoint,
 )
 from fedveil.experiments.config import ExperimentConfig, config_to_dict
@@ -323,8 +329,15 @@ def evaluate(trainer: Trainer, population: Any, seed: int) -> tuple[dict[str, An
 
 
 def _json_line(fh: Any, obj: dict[str, Any]) -> None:
-    fh.write(json.dumps(obj, sort_keys=True) + "\n")
-    fh.flush()
+    """Append one line and make it durable (fsync) before returning: a round's line is on disk before
+    its checkpoint is."""
+    try:
+        fh.write(json.dumps(obj, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    except OSError as exc:
+        exc.filename = exc.filename or fh.name  # a full disk names the file it could not extend
+        raise
 
 
 def _rewrite_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
@@ -351,15 +364,21 @@ def run_experiment(
     progress: bool = True,
     population: Any = None,
     resume: bool = False,
+    overwrite: bool = False,
     network: Any = None,
     ray: RayPlan | None = None,
 ) -> dict[str, Any]:
     """Train and evaluate ``cfg``; write the run directory ``out_dir``; return ``results.json``'s data.
 
-    After every applied round the server's state is checkpointed atomically (``checkpoint.npz``:
-    weights, optimizer moments, generator states, round). ``resume=True`` continues from it: the
-    metrics of later rounds are dropped, DP rounds already paid for (``privacy_spent.jsonl``, written
-    before each release) stay paid and are never run again under the same number. ``network`` (a
+    ``out_dir`` must be missing or empty unless ``resume`` (continue the run in it) or ``overwrite``
+    (clear it first) is given (:func:`~fedveil.experiments.checkpoint.prepare_run_dir`). After every
+    round its ``metrics.jsonl`` line is fsynced, then the server's state is checkpointed atomically
+    (``checkpoint.npz``: weights, optimizer moments, generator states, round, the config's digest), then
+    a scheduled evaluation runs. ``resume=True`` continues from the checkpoint, only under the config it
+    was trained with: the metrics of later rounds are dropped, a scheduled evaluation of the
+    checkpoint's round that a crash cut off is run, DP rounds already paid for (``privacy_spent.jsonl``,
+    written before each release) stay paid and are never run again under the same number. Ctrl-C stops
+    the run at the end of its round (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`). ``network`` (a
     :class:`fedveil.experiments.network_run.NetworkPlan`) trains over device agents instead of the
     in-process simulation; ``ray`` (:class:`RayPlan`) simulates the clients in Ray actors.
     """
@@ -367,18 +386,20 @@ def run_experiment(
         raise ConfigError("a run goes over the network or on Ray, not both")
     torch.set_num_threads(cfg.runtime.threads)
     retain_freed_memory()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     resolved = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    digest = config_digest(resolved)
     previous = load_checkpoint(out) if resume else None
     if resume and (out / "config.yaml").exists() and (out / "config.yaml").read_text("utf-8") != resolved:
         raise ConfigError(
             f"{out / 'config.yaml'} holds another config than this one: resume with the same config, "
             "or choose another --out"
         )
-    (out / "config.yaml").write_text(resolved, encoding="utf-8")
+    if previous is not None:
+        check_checkpoint_identity(out, previous, digest)
     population = population if population is not None else build_population(cfg)
-    privacy = plan_privacy(cfg, population, EMBEDDING_DIM)
+    privacy = plan_privacy(cfg, population, EMBEDDING_DIM)  # a plan it refuses leaves the directory as it was
+    atomic_write(out / "config.yaml", resolved.encode("utf-8"))
     spend = SpendLog(out)
     if not resume:
         spend.reset()
@@ -442,15 +463,38 @@ def run_experiment(
 
     def save(rnd: int) -> None:
         arrays, meta = trainer.server.state_dict()
-        extra: dict[str, Any] = {"server": meta}
+        extra: dict[str, Any] = {"server": meta, "config_sha256": digest}
         if trainer.pool is not None:
             extra["pool"] = pool_rng_states(trainer.pool)
             extra["runtime_rng"] = trainer.runtime.rng.bit_generator.state
         save_checkpoint(out, Checkpoint(rnd, arrays, extra))
 
+    evaluated = {h["eval"]["round"] for h in history if "eval" in h}
+    stop = StopAtRoundEnd(f"run {cfg.name!r}")
+
+    def scheduled(rnd: int) -> bool:
+        """Whether round ``rnd`` is followed by an evaluation (``eval.every``, and the last round)."""
+        return bool(cfg.eval.every and rnd % cfg.eval.every == 0) or rnd == cfg.rounds
+
+    def evaluate_at(rnd: int) -> tuple[dict[str, Any], Any]:
+        result = evaluate(trainer, population, cfg.eval.seed)
+        crash_point("eval", rnd)
+        return result
+
+    async def evaluation(fh: Any, rnd: int) -> None:
+        """Evaluate the weights after round ``rnd``; write its line unless the run's past holds it."""
+        nonlocal metrics, roc
+        metrics, roc = await asyncio.to_thread(evaluate_at, rnd)
+        if rnd not in evaluated:
+            evaluated.add(rnd)
+            evals.append((rnd, metrics["accuracy_percent"]))
+            _json_line(fh, {"eval": {"round": rnd, **metrics}})
+
     async def train(fh: Any, dh: Any) -> None:
-        nonlocal metrics, roc, stopped
+        nonlocal stopped
         if network is not None:
+            from fedveil.experiments.network_run import admit_joined
+
             ids = list(population.train_user_ids())
             command = ["agent", "--config", str(out / "config.yaml")]
             if uses_enclave(cfg):
@@ -475,6 +519,8 @@ def run_experiment(
                 },
             )
             totals["rounds"] += 1
+        if previous is not None and scheduled(previous.round) and previous.round not in evaluated:
+            await evaluation(fh, previous.round)  # cut off by a crash after the round's checkpoint
         bar = tqdm(
             range(first_round, cfg.rounds + 1),
             desc=cfg.name,
@@ -497,10 +543,13 @@ def run_experiment(
                     f"({privacy.ledger.guard} accounting)"
                 )
                 _json_line(fh, {"stopped": stopped})
-                metrics, roc = await asyncio.to_thread(evaluate, trainer, population, cfg.eval.seed)
-                _json_line(fh, {"eval": {"round": rnd - 1, **metrics}})
+                await evaluation(fh, rnd - 1)
                 break
+            if network is not None:
+                # devices that joined or reconnected (a restarted agent) register and attest afresh
+                await admit_joined(trainer.server, trainer.runtime)
             t0 = time.perf_counter()
+            crash_point("round", rnd)
             report = await trainer.server.run_round(rnd, trainer.runtime)
             line = report.as_dict()
             if privacy:
@@ -512,8 +561,9 @@ def run_experiment(
                 last_timing.update(round=rnd, devices=[asdict(t) for t in stats.timings])
                 stats.timings.clear()
                 _json_line(dh, last_timing)
-            save(rnd)
             _json_line(fh, line)
+            crash_point("metrics", rnd)
+            save(rnd)
             last = rnd
             for key in ("bytes_up", "bytes_down", "sim_seconds", "dropouts"):
                 totals[key] += line[key]
@@ -526,17 +576,12 @@ def run_experiment(
                 dropouts=totals["dropouts"],
                 refresh=False,
             )
-            if (cfg.eval.every and rnd % cfg.eval.every == 0) or rnd == cfg.rounds:
-                metrics, roc = await asyncio.to_thread(evaluate, trainer, population, cfg.eval.seed)
-                evals.append((rnd, metrics["accuracy_percent"]))
-                _json_line(fh, {"eval": {"round": rnd, **metrics}})
-            # Ctrl-C cancels this task (asyncio.run), which takes effect only where it suspends; the
-            # simulated runtime's awaits never do, so without this an interrupt would wait for the next
-            # evaluation (or the last round): yield once a round, after its checkpoint
-            await asyncio.sleep(0)
+            if scheduled(rnd):
+                await evaluation(fh, rnd)
+            if rnd < cfg.rounds:
+                stop.check(lambda: "")
         if not metrics:
-            metrics, roc = await asyncio.to_thread(evaluate, trainer, population, cfg.eval.seed)
-            _json_line(fh, {"eval": {"round": last, **metrics}})
+            await evaluation(fh, last)
 
     async def main(fh: Any, dh: Any) -> None:
         if network is None:
@@ -563,14 +608,13 @@ def run_experiment(
         with (
             open(out / "metrics.jsonl", mode, encoding="utf-8") as fh,
             open(out / "devices.jsonl", mode, encoding="utf-8") as dh,
+            stop,
         ):
             asyncio.run(main(fh, dh))
-    except (KeyboardInterrupt, asyncio.CancelledError):
+    except (KeyboardInterrupt, asyncio.CancelledError, RunInterrupted):
         ckpt = load_checkpoint(out)
-        done = f"after round {ckpt.round}" if ckpt else "before the first round"
-        raise RunInterrupted(
-            f"interrupted {done}; continue with the same command and --resume (run directory {out})"
-        ) from None
+        done = f"after round {ckpt.round}, whose checkpoint is" if ckpt else "before its first checkpoint,"
+        raise RunInterrupted(f"run {cfg.name!r} interrupted {done} in {out}") from None
     finally:
         trainer.close()
     real = time.perf_counter() - started

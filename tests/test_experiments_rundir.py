@@ -1,0 +1,252 @@
+"""A run directory holds one run: a new run refuses a used directory unless told to continue it
+(``--resume``) or clear it (``--overwrite``); a checkpoint continues only the run it came from; a crash
+at any point of a round (real processes, SIGKILL) loses no round line and no scheduled evaluation, and the
+resumed run ends at the uninterrupted run's model; Ctrl-C stops at the end of a round and says how to go
+on; a full or read-only disk ends a run with one line."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedveil.cli import main
+from fedveil.errors import ConfigError
+from fedveil.experiments.checkpoint import (
+    CRASH_ENV,
+    Checkpoint,
+    load_checkpoint,
+    prepare_run_dir,
+    save_checkpoint,
+)
+from fedveil.experiments.config import load_config
+from fedveil.experiments.runner import run_experiment
+
+CONFIG = Path(__file__).parents[1] / "configs" / "table1_fdml.yaml"
+# plain FDML (no emulated TEE), 6 + 6 synthetic users: a round takes about 0.1 s
+TINY = [
+    "rounds=4",
+    "eval.every=2",
+    "data.train_users_per_model=[6, 6]",
+    "data.test_users_per_model=[11, 11]",
+    "fdml.num_required=4",
+    "fdml.samples_per_client=4",
+    "enclave.boundary=none",
+    "runtime.threads=1",
+]
+
+
+def _sets(items: list[str]) -> list[str]:
+    return [word for item in items for word in ("--set", item)]
+
+
+def _lines(out: Path) -> tuple[list[int], list[int]]:
+    """The round numbers of ``metrics.jsonl``'s round lines and of its evaluation lines, in order."""
+    objs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [o["round"] for o in objs if "round" in o], [o["eval"]["round"] for o in objs if "eval" in o]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fedveil.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+# --- one run per directory ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["run", str(CONFIG)], ["demo"]])
+def test_a_second_run_into_a_used_directory_is_refused_naming_resume_and_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    out = tmp_path / "x"
+    args = [*command, "--out", str(out), *_sets([*TINY, "rounds=1", "eval.every=0"])]
+    assert main(args) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "--resume" in err and "--overwrite" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "the refused run wrote nothing"
+    assert main([*args, "--overwrite"]) == 0
+
+
+def test_overwrite_clears_the_old_run_before_anything_is_written(tmp_path: Path, toy_population: Any) -> None:
+    out = tmp_path / "x"
+    out.mkdir()
+    save_checkpoint(out, Checkpoint(30, {"weights": np.ones(3)}, {}))
+    (out / "privacy_spent.jsonl").write_text("".join(f'{{"round": {r}}}\n' for r in range(1, 31)))
+    (out / "old.png").write_bytes(b"old")
+    cfg = load_config(None, [*TINY, "rounds=1", "eval.every=0", "dp.enabled=false"])
+    with pytest.raises(ConfigError, match=r"--resume.*--overwrite"):
+        run_experiment(cfg, out, progress=False, population=toy_population)
+    run_experiment(cfg, out, progress=False, population=toy_population, overwrite=True)
+    assert not (out / "old.png").exists() and not (out / "privacy_spent.jsonl").exists()
+    assert load_checkpoint(out).round == 1
+
+
+def test_overwrite_leaves_a_folder_that_holds_no_run_alone(tmp_path: Path) -> None:
+    (tmp_path / "thesis.tex").write_text("years of work")
+    with pytest.raises(ConfigError, match="does not hold a fedveil run"):
+        prepare_run_dir(tmp_path, resume=False, overwrite=True)
+    assert (tmp_path / "thesis.tex").read_text() == "years of work"
+    with pytest.raises(ConfigError, match="give one"):
+        prepare_run_dir(tmp_path, resume=True, overwrite=True)
+    with pytest.raises(ConfigError, match="is a file"):
+        prepare_run_dir(tmp_path / "thesis.tex", resume=False, overwrite=False)
+
+
+def test_a_checkpoint_from_another_run_is_never_resumed(tmp_path: Path, toy_population: Any) -> None:
+    """The stale checkpoint of an earlier run beside this run's config (a crash before this run's first
+    checkpoint, with the old code's overwrite) is refused, as is a checkpoint that names no config."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    run_experiment(load_config(None, [*TINY, "rounds=3"]), old, progress=False, population=toy_population)
+    cfg = load_config(None, [*TINY, "rounds=2", "eval.every=0"])
+    run_experiment(cfg, new, progress=False, population=toy_population)
+    (new / "checkpoint.npz").write_bytes((old / "checkpoint.npz").read_bytes())
+    with pytest.raises(ConfigError, match="trained under another config"):
+        run_experiment(cfg, new, progress=False, population=toy_population, resume=True)
+    stale = load_checkpoint(old)
+    del stale.meta["config_sha256"]
+    save_checkpoint(new, stale)
+    with pytest.raises(ConfigError, match="names no config"):
+        run_experiment(cfg, new, progress=False, population=toy_population, resume=True)
+
+
+# --- crashes at every point of a round -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
+    """The final weights of the uninterrupted run of ``TINY`` (in this process: the same numbers)."""
+    out = tmp_path_factory.mktemp("whole")
+    run_experiment(load_config(CONFIG, TINY), out, progress=False)
+    return load_checkpoint(out).arrays["weights"]
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        "round:3",  # before round 3's uploads
+        "metrics:3",  # round 3's line is on disk, its checkpoint is not
+        "eval:2",  # during round 2's evaluation, after its checkpoint
+        "eval:4",  # during the last round's evaluation
+    ],
+)
+def test_a_run_killed_anywhere_in_a_round_resumes_to_the_uninterrupted_model(
+    tmp_path: Path, uninterrupted: np.ndarray, point: str
+) -> None:
+    out = tmp_path / "run"
+    args = ["run", str(CONFIG), "--out", str(out), "--no-progress", *_sets(TINY)]
+    crashed = _cli(*args, env={CRASH_ENV: point})
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    resumed = _cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    rounds, evals = _lines(out)
+    assert rounds == [1, 2, 3, 4], "every round once, in order"
+    assert evals == [2, 4], "every scheduled evaluation once, the one cut off included"
+    np.testing.assert_array_equal(load_checkpoint(out).arrays["weights"], uninterrupted)
+    assert json.loads((out / "results.json").read_text())["rounds"] == 4
+
+
+# --- Ctrl-C -----------------------------------------------------------------------------------------
+
+
+def _interruptible(cmd: list[str]) -> subprocess.Popen[str]:
+    """``cmd`` as a terminal starts it: SIGINT at its default (this process may have it ignored)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedveil.cli", *cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def interrupt(cmd: list[str], ready: Path, *, times: int = 1) -> tuple[int, str]:
+    """Start ``fedveil cmd``, wait for ``ready`` to exist, press Ctrl-C ``times`` times; (status, stderr)."""
+    proc = _interruptible(cmd)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"no {ready} within 120 s"
+            time.sleep(0.05)
+        for _ in range(times):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("command", [["run", str(CONFIG)], ["demo"]])
+def test_ctrl_c_stops_at_the_end_of_a_round_and_prints_the_command_that_continues(
+    tmp_path: Path, command: list[str]
+) -> None:
+    out = tmp_path / "x"
+    cmd = [*command, "--out", str(out), "--no-progress", *_sets([*TINY, "rounds=100000"])]
+    if command == ["demo"]:
+        cmd.remove("--no-progress")
+    code, err = interrupt(cmd, out / "checkpoint.npz")
+    assert code == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    ckpt = load_checkpoint(out)
+    assert f"interrupted after round {ckpt.round}, whose checkpoint is in {out}" in last
+    assert last.endswith("continue with: " + shlex.join(["fedveil", *cmd, "--resume"]))
+    rounds, _ = _lines(out)
+    assert rounds == list(range(1, ckpt.round + 1)), "the checkpoint holds the last round written"
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path: Path) -> None:
+    out = tmp_path / "x"
+    cmd = ["run", str(CONFIG), "--out", str(out), "--no-progress", *_sets([*TINY, "rounds=100000"])]
+    code, err = interrupt(cmd, out / "checkpoint.npz", times=2)
+    assert code == 2 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "--resume" in err.strip().splitlines()[-1]
+
+
+# --- a full or read-only disk ---------------------------------------------------------------------------
+
+
+def test_a_full_disk_ends_a_run_with_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    out = tmp_path / "x"
+    assert main(["run", str(CONFIG), "--out", str(out), "--no-progress", *_sets(TINY)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fedveil run: error: cannot write"), err
+    assert str(out / "config.yaml") in err and "No space left on device" in err
+    assert "free some space there" in err and "--resume" in err
+
+
+def test_a_run_directory_below_a_file_ends_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run"
+    assert main(["run", str(CONFIG), "--out", str(out), "--no-progress", *_sets(TINY)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(out) in err and "is a file, not a directory" in err, err
