@@ -27,7 +27,7 @@ from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import ExperimentConfig
 from fedveil.runtime.network import certs
-from fedveil.runtime.network.agent import AgentHost
+from fedveil.runtime.network.agent import AgentHost, RoundSeededPool
 from fedveil.runtime.network.server import NetworkRuntime
 from fedveil.runtime.quoting import SimulatedPlatform
 
@@ -118,6 +118,8 @@ class NetworkPlan:
                 f"only {len(got)} of {need} devices connected within {self.wait_seconds:g} s; "
                 "start more agents or lower --min-devices"
             )
+        # the run registers every connected device next; later joiners are admitted between rounds
+        runtime.take_joined()
 
     async def _spawn(
         self, runtime: NetworkRuntime, port: int, ids: list[str], out: Path, agent_command: list[str]
@@ -165,6 +167,22 @@ class NetworkPlan:
         self._procs.clear()
 
 
+async def admit_joined(server: Any, runtime: Any) -> list[str]:
+    """Between rounds: register the devices that connected or reconnected since the last call
+    (:meth:`NetworkRuntime.take_joined`) into ``server``'s groups; through the TEE each opens a fresh
+    attested session (a restarted agent has lost its old one). Returns them; those that fail to register
+    or attest leave the groups and are not selected. Nothing is awaited once none are left, so the round
+    that follows selects among devices admitted on their current stream. A runtime that does not report
+    joins (Flower's, whose SuperLink owns its nodes' connections) admits none."""
+    take = getattr(runtime, "take_joined", None)
+    admitted: list[str] = []
+    while take is not None and (joined := take()):
+        log.info("admitting %d device(s) that joined or reconnected: %s", len(joined), joined[:5])
+        await server.register(runtime, clients=joined)
+        admitted += joined
+    return admitted
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """``I/N`` -> (I, N) with 0 <= I < N."""
     left, sep, right = text.partition("/")
@@ -187,14 +205,16 @@ def build_agent(
     server_name: str | None = None,
 ) -> AgentHost:
     """A device agent for ``cfg``: its devices (``devices``, or shard ``I/N`` of the population, or all),
-    their client code and data (:func:`agent_pool`) and their credentials (``credentials/<device>/
+    their client code and data (:func:`agent_pool`), each round's randomness drawn from that round's
+    seed (:class:`~fedveil.runtime.network.agent.RoundSeededPool`: a resumed server or a restarted agent
+    gets the draws an uninterrupted run gets) and their credentials (``credentials/<device>/
     device.crt`` ...)."""
     pool, mine = agent_pool(
         cfg, devices=devices, shard=shard, platform_public_key=platform_public_key, population=population
     )
     return agent_host(
         server,
-        pool,
+        RoundSeededPool(pool, cfg.seed),
         devices=mine,
         credentials=credentials,
         insecure=insecure,

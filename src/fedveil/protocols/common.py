@@ -86,6 +86,17 @@ def select_group_cohort(
     return name, [members[i] for i in sorted(picked)]
 
 
+def connected_groups(
+    groups: Mapping[str, Sequence[ClientId]], available: Iterable[ClientId]
+) -> dict[str, list[ClientId]]:
+    """The members of ``groups`` that are ``available`` (connected now: ``Communicator.available()``),
+    in group order; groups with none left are dropped. A simulation's clients are always available,
+    so there selection is what it was over ``groups``."""
+    now = set(available)
+    kept = {name: [c for c in members if c in now] for name, members in groups.items()}
+    return {name: members for name, members in kept.items() if members}
+
+
 def expect(condition: bool, what: str) -> None:
     """Raise :class:`ValidationError` with ``what`` unless ``condition`` holds."""
     if not condition:

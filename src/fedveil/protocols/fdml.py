@@ -37,6 +37,7 @@ from fedveil.protocols.common import (
     RoundReport,
     as_tensor,
     client_rng,
+    connected_groups,
     expect,
     fill_traffic,
     select_group_cohort,
@@ -55,7 +56,7 @@ from fedveil.protocols.messages import (
     SessionReady,
     sealed_record,
 )
-from fedveil.protocols.registration import attest_clients, register_clients
+from fedveil.protocols.registration import attest_clients, register_clients, rejoin_groups
 from fedveil.protocols.settings import FDMLConfig
 
 if TYPE_CHECKING:
@@ -402,21 +403,31 @@ class FDMLServer:
             }
 
     async def register(
-        self, comm: Communicator, *, group_by: str = "phone_model", timeout: float = 60.0
+        self,
+        comm: Communicator,
+        *,
+        group_by: str = "phone_model",
+        timeout: float = 60.0,
+        clients: Sequence[ClientId] | None = None,
     ) -> None:
         """Step 1: gather registrations and group the devices by ``group_by`` (the phone model).
 
         With an attested enclave, each device's hello goes to the enclave and the enclave's quote back
         to the device; a device that does not verify it (or sent no hello) is not selected.
+        ``clients``: register only these (devices that joined or reconnected during the run: a device
+        whose agent restarted has a new session, which must attest afresh) into the existing groups
+        (:func:`~fedveil.protocols.registration.rejoin_groups`).
         """
-        groups, regs = await register_clients(comm, "fdml", group_by=group_by, timeout=timeout)
+        groups, regs = await register_clients(
+            comm, "fdml", group_by=group_by, timeout=timeout, clients=clients
+        )
         if self.enclave.attested:
             done = await attest_clients(comm, self.enclave.open_session, regs, "fdml", timeout=timeout)
             groups = {g: [c for c in members if c in done] for g, members in groups.items()}
             groups = {g: members for g, members in groups.items() if members}
-            if not groups:
+            if not groups and clients is None:
                 raise ConfigError("no device completed attestation with the enclave; nothing to train")
-        self.groups = groups
+        self.groups = groups if clients is None else rejoin_groups(self.groups, groups, clients)
 
     def _round_check(self, rnd: int, attempt: int) -> Callable[[ClientId, Any], None]:
         def check(cid: ClientId, msg: Any) -> None:
@@ -438,7 +449,13 @@ class FDMLServer:
         required = cfg.num_required
         while attempt < cfg.max_attempts:
             attempt += 1
-            _, cohort = select_group_cohort(self.groups, cfg.num_addressed, self.rng)
+            # only connected devices are selected: one whose agent is down would only be a dropout
+            groups = connected_groups(self.groups, comm.available())
+            if not groups:
+                log.info("round %d attempt %d: no registered device is connected", rnd, attempt)
+                embeds = {}
+                continue
+            _, cohort = select_group_cohort(groups, cfg.num_addressed, self.rng)
             required = min(cfg.num_required, len(cohort))
             request = EmbedRequest(rnd, attempt, n, weights)
             same_round = self._round_check(rnd, attempt)

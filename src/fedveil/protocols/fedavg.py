@@ -51,7 +51,15 @@ from fedveil.data.federated import FederatedDataset
 from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_max_upload_norm, check_upload
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.models.flat import FlatModel
-from fedveil.protocols.common import ClientData, RoundReport, as_tensor, client_rng, expect, fill_traffic
+from fedveil.protocols.common import (
+    ClientData,
+    RoundReport,
+    as_tensor,
+    client_rng,
+    connected_groups,
+    expect,
+    fill_traffic,
+)
 from fedveil.protocols.common import select_group_cohort as select_cohort
 from fedveil.protocols.local import LocalOptimizer, epoch_batches, local_train, local_train_cohort
 from fedveil.protocols.messages import (
@@ -62,7 +70,7 @@ from fedveil.protocols.messages import (
     TrainReply,
     TrainRequest,
 )
-from fedveil.protocols.registration import register_clients
+from fedveil.protocols.registration import register_clients, rejoin_groups
 from fedveil.protocols.settings import FedAvgConfig
 
 __all__ = [
@@ -383,7 +391,8 @@ BATCH_BELOW_PARAMS = 100_000
 class ImageFedAvgConfig:
     """Settings of image FedAvg: ``clients_per_round`` (or all when larger than the population), local
     ``local_epochs`` and ``batch_size``, the client ``optimizer``, ``server_lr`` (PoliFL Eq. 1's ``eta``),
-    the simulated ``timeout``, ``min_replies`` and ``eval_every`` rounds (0: never)."""
+    the simulated ``timeout``, ``min_replies``, ``eval_every`` rounds (0: never) and ``max_upload_norm``
+    (the engine's bound on one client's update, :class:`FedAvgEngine`)."""
 
     clients_per_round: int = 10
     local_epochs: int = 1
@@ -393,6 +402,7 @@ class ImageFedAvgConfig:
     timeout: float = 60.0
     min_replies: int = 1
     eval_every: int = 1
+    max_upload_norm: float = DEFAULT_MAX_UPLOAD_NORM
 
     def __post_init__(self) -> None:
         for name in ("clients_per_round", "local_epochs", "batch_size", "min_replies"):
@@ -401,6 +411,7 @@ class ImageFedAvgConfig:
                 raise ConfigError(f"{name} {value!r} must be an integer >= 1")
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
             raise ConfigError(f"eval_every {self.eval_every!r} must be an integer >= 0")
+        check_max_upload_norm(self.max_upload_norm)
 
 
 def evaluate_model(
@@ -460,6 +471,7 @@ class ModelServer:
             server_lr=cfg.server_lr,
             timeout=cfg.timeout,
             min_replies=cfg.min_replies,
+            max_upload_norm=cfg.max_upload_norm,
         )
 
     def _configure(self, rnd: int, cohort: Sequence[ClientId], weights: np.ndarray) -> dict[ClientId, object]:
@@ -671,6 +683,7 @@ class FedAvgServer:
     def __init__(self, cfg: FedAvgConfig, initial_weights: np.ndarray, rng: np.random.Generator) -> None:
         self.cfg = cfg
         self.groups: dict[str, list[ClientId]] = {}
+        self._connected: Sequence[ClientId] = ()
 
         def check(cid: ClientId, msg: TrainReply) -> None:
             expect(
@@ -681,7 +694,7 @@ class FedAvgServer:
         self.engine = FedAvgEngine(
             initial_weights,
             rng,
-            select=lambda rnd, r: select_cohort(self.groups, cfg.clients_per_round, r)[1],
+            select=lambda rnd, r: self._select(r),
             configure=self._configure,
             reply_type=TrainReply,
             timeout=cfg.timeout,
@@ -689,6 +702,14 @@ class FedAvgServer:
             check=check,
             max_upload_norm=cfg.max_upload_norm,
         )
+
+    def _select(self, rng: np.random.Generator) -> list[ClientId]:
+        """FDML's selection among the registered devices connected now (none: an empty cohort, a round
+        not applied)."""
+        groups = connected_groups(self.groups, self._connected)
+        if self.groups and not groups:
+            return []
+        return select_cohort(groups, self.cfg.clients_per_round, rng)[1]
 
     def _configure(self, rnd: int, cohort: Sequence[ClientId], weights: np.ndarray) -> dict[ClientId, object]:
         cfg = self.cfg
@@ -713,12 +734,17 @@ class FedAvgServer:
         """Restore what :meth:`state_dict` saved (shape checked)."""
         self.engine.load_state_dict(arrays, meta)
 
-    async def register(self, comm: Communicator, *, group_by: str = "phone_model") -> None:
-        """Registration, as FDML's step 1."""
-        self.groups, _ = await register_clients(comm, "fedavg", group_by=group_by)
+    async def register(
+        self, comm: Communicator, *, group_by: str = "phone_model", clients: Sequence[ClientId] | None = None
+    ) -> None:
+        """Registration, as FDML's step 1 (``clients``: only these, into the existing groups, as
+        :meth:`FDMLServer.register <fedveil.protocols.fdml.FDMLServer.register>`)."""
+        groups, _ = await register_clients(comm, "fedavg", group_by=group_by, clients=clients)
+        self.groups = groups if clients is None else rejoin_groups(self.groups, groups, clients)
 
     async def run_round(self, rnd: int, comm: Communicator) -> RoundReport:
-        """Select, train locally, average."""
+        """Select among the connected devices, train locally, average."""
+        self._connected = comm.available()
         return await self.engine.run_round(rnd, comm)
 
 

@@ -4,7 +4,7 @@ attestation handshake of every protocol whose clients talk to an enclave (FDML, 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from fedveil.core.communicator import ClientId, Communicator
 from fedveil.errors import ConfigError, FedveilError
@@ -15,15 +15,23 @@ log = logging.getLogger(__name__)
 
 
 async def register_clients(
-    comm: Communicator, protocol: str, *, group_by: str = "phone_model", timeout: float = 60.0
+    comm: Communicator,
+    protocol: str,
+    *,
+    group_by: str = "phone_model",
+    timeout: float = 60.0,
+    clients: Sequence[ClientId] | None = None,
 ) -> tuple[dict[str, list[ClientId]], dict[ClientId, Register]]:
-    """Gather registrations of every reachable device and group them by the ``group_by`` attribute.
+    """Gather registrations of every reachable device (or of ``clients`` only: devices that joined or
+    reconnected during a run) and group them by the ``group_by`` attribute.
 
     Returns ``{attribute value: [client ids]}`` and the registrations themselves; devices whose
-    registration fails are left out of both.
+    registration fails are left out of both. Registering everyone and getting no registration is an
+    error; registering ``clients`` and getting none is not (the run goes on without them).
     """
     call = RegistrationCall(protocol)
-    clients = list(comm.available())
+    everyone = clients is None
+    clients = list(comm.available()) if clients is None else list(clients)
 
     def check(cid: ClientId, msg: Register) -> None:
         expect(msg.protocol == protocol, f"registration for protocol {msg.protocol!r}, expected {protocol!r}")
@@ -41,9 +49,27 @@ async def register_clients(
     for cid in clients:
         if cid in replies:
             groups.setdefault(replies[cid].attributes[group_by], []).append(cid)
-    if not groups:
+    if not groups and everyone:
         raise ConfigError("no device registered; nothing to train")
     return groups, replies
+
+
+def rejoin_groups(
+    groups: Mapping[str, Sequence[ClientId]],
+    registered: Mapping[str, Sequence[ClientId]],
+    clients: Sequence[ClientId],
+) -> dict[str, list[ClientId]]:
+    """``groups`` after ``clients`` registered again and ``registered`` (their new groups) came back: a
+    device keeps its place if it registered into the same group, joins the end of the group it
+    registered into otherwise, and leaves its group if it did not register (or attest) again; the
+    other devices are untouched. Groups left empty are dropped."""
+    again = set(clients)
+    group_of = {c: g for g, members in registered.items() for c in members}
+    out = {g: [c for c in members if c not in again or group_of.get(c) == g] for g, members in groups.items()}
+    for g, members in registered.items():
+        kept = out.setdefault(g, [])
+        kept.extend(c for c in members if c not in kept)
+    return {g: members for g, members in out.items() if members}
 
 
 async def attest_clients(

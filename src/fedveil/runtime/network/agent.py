@@ -9,6 +9,13 @@ same moment are handed to the pool together, so a pool that batches a phase (one
 cohort) does so here too, behind the same equality tests as in simulation; a broadcast payload is
 decoded once for all of them.
 
+A device's randomness on the network path comes from its round, not its history: a
+:class:`RoundSeededPool` reseeds each device's generator for every request that carries a round
+(``SeedSequence([seed, ROUND_STREAM, device index, round, attempt])``, the seed being the experiment's),
+so what a device draws for a round does not depend on what it drew before, on whether its agent was
+restarted, or on whether the server already asked it once for this round before a crash: a resumed server
+gets the same draws as an uninterrupted one.
+
 A device reconnects by itself after any failure, with exponential backoff and full jitter
 (``base * 2**attempt``, capped, times a uniform factor in [0.5, 1.5)), sends heartbeats, and exits when
 the server says training is over (:class:`~fedveil.runtime.network.wire.Goodbye` with ``final``) or, if
@@ -23,7 +30,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +40,58 @@ import grpc.aio
 import numpy as np
 
 from fedveil.core import codec
+from fedveil.core.communicator import ClientId, Deferred, Message
 from fedveil.errors import CodecError, ConfigError, FedveilError
+from fedveil.protocols.common import restore_pool_rngs
 from fedveil.runtime.network import certs, wire
 from fedveil.runtime.simulation import ClientPool, LatencyModel
 
 log = logging.getLogger(__name__)
+
+ROUND_STREAM = 0x726F756E
+"""Tags the per-round seed sequences so that none equals a per-client stream's (``[seed, index]``)."""
+
+
+def round_rng(seed: int, index: int, rnd: int, attempt: int = 0) -> np.random.Generator:
+    """The generator device number ``index`` of a run seeded ``seed`` draws from for ``attempt`` of
+    round ``rnd`` (attempt 0 for protocols without attempts)."""
+    return np.random.default_rng(np.random.SeedSequence([seed, ROUND_STREAM, index, rnd, attempt]))
+
+
+class RoundSeededPool:
+    """A client pool whose devices draw each round's randomness (training samples, augmentation, local
+    batches, noise drawn on the device) from :func:`round_rng` of the request's round and attempt.
+
+    Before ``pool.handle_batch`` sees a message with a ``round`` field (and ``attempt``, if it has one),
+    the addressed device's generator is set to that round's; messages without a round (registration,
+    attestation) leave it alone. The device index is its position in ``pool.client_ids()``, the same
+    numbering as the pool's own per-client streams. The pool's code is unchanged: only where its
+    generators start each round differs from the simulation's single stream per device.
+    """
+
+    def __init__(self, pool: ClientPool, seed: int) -> None:
+        self.pool = pool
+        self.seed = int(seed)
+        self._index = {cid: i for i, cid in enumerate(pool.client_ids())}
+
+    def client_ids(self) -> Sequence[ClientId]:
+        """The wrapped pool's devices."""
+        return self.pool.client_ids()
+
+    def handle_batch(
+        self, msgs: Mapping[ClientId, Message]
+    ) -> dict[ClientId, Message | bytes | Exception | Deferred]:
+        """Reseed each addressed device for its message's round, then let the pool answer."""
+        states = {
+            cid: round_rng(
+                self.seed, self._index[cid], int(m.round), int(getattr(m, "attempt", 0))
+            ).bit_generator.state
+            for cid, m in msgs.items()
+            if isinstance(getattr(m, "round", None), int) and cid in self._index
+        }
+        if states:
+            restore_pool_rngs(self.pool, states)
+        return self.pool.handle_batch(msgs)
 
 
 @dataclass

@@ -20,6 +20,11 @@ the enrolment port) are compared in constant time and never logged.
 Timing (PoliFL Sec. 5): per device and request, TTD (server send -> agent receipt), TTE (agent receipt
 -> agent send), TTR (agent send -> server receipt) and TTP (server decode + validation) in seconds;
 TTD and TTR compare the two hosts' wall clocks (exact on one host, NTP-accurate across hosts).
+
+Rejoining: every welcomed stream (a first connection, or a device that reconnected, e.g. because its
+agent was restarted and lost its enclave session) is remembered until :meth:`NetworkRuntime.take_joined`
+hands it out; the run registers (and, through the TEE, attests afresh) those devices before its next
+round (:func:`fedveil.experiments.network_run.admit_joined`).
 """
 
 from __future__ import annotations
@@ -129,6 +134,7 @@ class NetworkRuntime:
         self._stats = CommStats()
         self._conns: dict[str, _Connection] = {}
         self._waiting: dict[tuple[str, int], _Waiting] = {}
+        self._welcomed: dict[str, None] = {}
         self._ids = itertools.count(1)
         self._server: grpc.aio.Server | None = None
         self._joined: asyncio.Condition | None = None
@@ -231,6 +237,14 @@ class NetworkRuntime:
         return sorted(
             d for d, c in self._conns.items() if now - c.last_seen <= limit and not c.closed.is_set()
         )
+
+    def take_joined(self) -> list[ClientId]:
+        """Devices welcomed on a new stream (first connection or reconnection) since the last call, in
+        the order they were welcomed, each once; they need registering (and attesting) before they are
+        selected. Those no longer connected are left out."""
+        joined = [d for d in self._welcomed if d in self._conns and not self._conns[d].closed.is_set()]
+        self._welcomed.clear()
+        return joined
 
     def stats(self) -> CommStats:
         """Counters so far (the live object; ``.copy()`` for a snapshot); ``sim_seconds`` is wall time
@@ -425,6 +439,8 @@ class NetworkRuntime:
             old.outbox.put_nowait(None)
             self._fail_waiting(device, "the device reconnected on a new stream")
         self._conns[device] = conn
+        self._welcomed.pop(device, None)
+        self._welcomed[device] = None
         await context.write(
             codec.encode(wire.Welcome(device, self.heartbeat_seconds, self.max_message_bytes))
         )
