@@ -201,6 +201,7 @@ def main(model, groups, rounds):
         [lambda: run_fl(model, name, rounds), "must be a list of group names"],
         [lambda: run_fl(model, [name], rounds, speed=2), "run_fl(model, names, rounds) called wrongly"],
         [lambda: run_fl(model), "run_fl(model, names, rounds) called wrongly"],
+        [lambda: run_fl(model, [name], 10**9), "must be an integer from 1 to 4 (the job's rounds"],
         [lambda: release("x"), "release's model must be"],
         [lambda: epsilon([1]), "name one of this job's groups"],
         [lambda: epsilon("nope"), "name one of this job's groups"],
@@ -246,6 +247,22 @@ def test_unhandled_host_function_misuse_fails_the_job_with_an_audit_event(
     status = client.get(f"/api/v1/jobs/{r.json()['job']}", headers=_auth(token)).json()
     assert status["status"] == "failed"
     assert any(f"job {r.json()['job']}:" in d and expected in d for d in _events(app, "program failed"))
+
+
+def test_a_server_failure_while_checking_a_job_fails_the_job_not_the_service(
+    checking, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedveil.experiments import polifl
+
+    def exhausted(*_: Any) -> None:
+        raise MemoryError("Unable to allocate 655. TiB")
+
+    client, token, app = checking
+    monkeypatch.setattr(polifl._Host, "_plan", exhausted)
+    r = client.post("/api/v1/jobs", json=_job(), headers=_auth(token))
+    assert r.status_code == 422 and "failed on the server's side (MemoryError)" in r.json()["detail"]
+    assert client.get(f"/api/v1/jobs/{r.json()['job']}", headers=_auth(token)).json()["status"] == "failed"
+    assert any(f"job {r.json()['job']}:" in d for d in _events(app, "program failed"))
 
 
 # ---------------------------------------------------------------------------------- hostile JSON

@@ -653,7 +653,8 @@ class _Host:
         return {g: self.ledger.epsilon(g) for g in sorted(self.contributors.get(id(model), frozenset()))}
 
     def run_fl(self, model: DataPolicyPair, names: list[str], rounds: int) -> DataPolicyPair:
-        """Train the named groups together for ``rounds`` from ``model`` (one ``runFL`` stage)."""
+        """Train the named groups together for ``rounds`` from ``model`` (one ``runFL`` stage); at most
+        the run's ``rounds`` times its number of groups (what ``combined`` asks for) in one call."""
         model = self._pair(model, "run_fl")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ConfigError(f"run_fl's names {str(names)[:50]!r} must be a list of group names")
@@ -662,8 +663,12 @@ class _Host:
             raise ConfigError(
                 f"run_fl names groups {unknown or names} this job does not have ({', '.join(self.groups)})"
             )
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-            raise ConfigError(f"run_fl rounds {rounds!r} must be an integer >= 1")
+        most = self.run.rounds * len(self.run.groups)
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= most:
+            raise ConfigError(
+                f"run_fl rounds {str(rounds)[:50]!r} must be an integer from 1 to {most} (the job's rounds "
+                "times its groups)"
+            )
         entry = self._logged("run_fl")
         index = self.calls - 1
         weights_path = self.folder / f"call{index}.npz"

@@ -327,6 +327,16 @@ def validate(
                 422,
                 program_failed=True,
             ) from None
+        except FedveilError:
+            raise
+        except Exception as exc:  # the server's own failure on this job: the job fails, the service goes on
+            log.exception("checking job %r crashed", request.name)
+            raise Refused(
+                f"checking the job failed on the server's side ({type(exc).__name__}); its programs or "
+                "settings ask for more than the server can do",
+                422,
+                program_failed=True,
+            ) from None
     if summary["refusals"]:
         raise Refused(f"the policies refuse this job before it runs: {summary['refusals'][0]}", 403)
     if not summary["released"]:
@@ -515,6 +525,7 @@ class JobRunner:
                 status="failed",
                 outcome=json.dumps({"error": f"{type(exc).__name__}: {exc}"}),
             )
+            audit(self.engine, f"job {job_id}", "job failed", f"the server failed: {type(exc).__name__}")
             return
         outcome: dict[str, Any] = {
             "timings_ms": timing_summary(timings) if timings else None,
