@@ -54,7 +54,9 @@ def test_aiot_run_prints_tar_at_far_and_resumes(tmp_path: Path, capsys, monkeypa
 
     monkeypatch.setattr(aiot, "_method", fail)
     monkeypatch.setattr(aiot, "train_faces", fail)
-    assert main(["aiot", "run", str(config), "--out", str(out)]) == 0
+    assert main(["aiot", "run", str(config), "--out", str(out)]) == 2, "a used folder needs --resume"
+    assert "--resume" in capsys.readouterr().err
+    assert main(["aiot", "run", str(config), "--out", str(out), "--resume"]) == 0
     printed = capsys.readouterr().out
     assert "TAR@FAR1e-3" in printed and "no_frozen_bn" in printed and "impostor pairs" in printed
 
@@ -76,7 +78,7 @@ def test_aiot_config_errors_name_the_setting(tmp_path: Path) -> None:
     out.mkdir()
     (out / "results.json").write_text(json.dumps({"run": {"rounds": 99}, "results": {}}))
     with pytest.raises(ConfigError, match="other settings"):
-        aiot.run_aiot(load_aiot_run(good), out, progress=False)
+        aiot.run_aiot(load_aiot_run(good), out, progress=False, resume=True)
 
 
 def test_shipped_aiot_config_loads() -> None:

@@ -200,6 +200,10 @@ def test_bench_ppfl_times_each_stage(capsys) -> None:
     assert main(["bench", "ppfl", "--clients", "0"]) == 2
 
 
+class MachineDown(RuntimeError):
+    """A crash the test stages."""
+
+
 def test_an_interrupted_run_resumes_after_its_last_finished_stage(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
@@ -218,11 +222,11 @@ def test_an_interrupted_run_resumes_after_its_last_finished_stage(
 
     async def crash_in_stage_1(self, comm, stage, *args, **kwargs):  # type: ignore[no-untyped-def]
         if stage.index == 1:
-            raise KeyboardInterrupt("the machine went down")
+            raise MachineDown("the machine went down")
         return await original(self, comm, stage, *args, **kwargs)
 
     monkeypatch.setattr(PpflServer, "_train_stage", crash_in_stage_1)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(MachineDown):
         main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e"])
     ckpt = load_checkpoint(out)
     assert ckpt is not None and ckpt.round == 2 and list(ckpt.arrays) == ["released_0"]
@@ -252,7 +256,8 @@ def test_an_interrupted_run_resumes_after_its_last_finished_stage(
     # resuming a finished run returns its results; another config is refused
     assert main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e", "--resume"]) == 0
     assert json.loads(capsys.readouterr().out)["rounds"] == 6
-    with pytest.raises(KeyboardInterrupt):
+    assert main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e"]) == 2, "used: refused"
+    with pytest.raises(MachineDown):
         monkeypatch.setattr(PpflServer, "_train_stage", crash_in_stage_1)
-        main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e"])
+        main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e", "--overwrite"])
     assert main(["ppfl", "run", str(config), "--out", str(out), "--seed", "3", "--resume", "--no-e2e"]) == 2

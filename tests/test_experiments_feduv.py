@@ -89,8 +89,10 @@ def test_a_run_directory_resumes_and_refuses_other_settings(tiny_run, tmp_path) 
     cfg = with_overrides(TINY, methods=("softmax", "feduv"))
     first = run_feduv(cfg, out)
     (out / "methods" / "feduv-127.json").unlink()
+    with pytest.raises(ConfigError, match=r"--resume.*--overwrite"):
+        run_feduv(cfg, out)  # a used directory is continued or cleared, never silently mixed
     lines: list[str] = []
-    again = run_feduv(with_overrides(cfg, workers=2), out, progress=lines.append)
+    again = run_feduv(with_overrides(cfg, workers=2), out, progress=lines.append, resume=True)
     assert lines[1] == f"softmax: already in {out / 'methods'}, reused" and lines[2].startswith("feduv-127:")
     assert again["auc"] == first["auc"]
     assert again["methods"]["softmax"] == first["methods"]["softmax"]
@@ -98,10 +100,10 @@ def test_a_run_directory_resumes_and_refuses_other_settings(tiny_run, tmp_path) 
     records = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["method"] for r in records][:2] == ["softmax", "softmax"]
     with pytest.raises(ConfigError, match=r"other settings \(rounds\)"):
-        run_feduv(with_overrides(cfg, rounds=3), out)
+        run_feduv(with_overrides(cfg, rounds=3), out, resume=True)
     (out / "methods" / "softmax.roc.npz").write_bytes(b"not an npz")
     with pytest.raises(ConfigError, match=r"saved outcome of 'softmax'.*delete softmax\.json"):
-        run_feduv(cfg, out)
+        run_feduv(cfg, out, resume=True)
 
 
 def test_shape_checks_follow_section_6_3() -> None:

@@ -1,8 +1,9 @@
 """``fedveil aiot``: the AIoT private-projector framework (002_a446963dedd95f77.txt).
 
-- ``fedveil aiot run CONFIG [--out DIR] [--trials N] [--methods M,...] [--json]``: Tables 1 and 2 (the
-  pre-trained model, SOLO, centralized, the protocol and its ablations, TAR at FAR 1e-3 / 1e-4 over
-  trials; :func:`fedveil.experiments.aiot.run_aiot`), resumable in its output folder.
+- ``fedveil aiot run CONFIG [--out DIR] [--trials N] [--methods M,...] [--json] [--resume | --overwrite]``:
+  Tables 1 and 2 (the pre-trained model, SOLO, centralized, the protocol and its ablations, TAR at FAR
+  1e-3 / 1e-4 over trials; :func:`fedveil.experiments.aiot.run_aiot`); ``--resume`` continues (or
+  extends, with more trials or methods) the run in its output folder.
 - ``fedveil aiot faces [--out DIR] [--epochs E] [--json]``: how hard the synthetic face population is:
   pre-trained on its public domain, evaluated on the private one, fine-tuned there and evaluated again
   (:func:`fedveil.experiments.faces_domain.measure_domain_gap`), with a grid of sample photos.
@@ -19,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fedveil.experiments.checkpoint import add_run_dir_arguments
+
 
 def register(subparsers: Any) -> None:
     """Add the ``aiot`` command with its ``faces`` and ``efficiency`` actions."""
@@ -26,7 +29,8 @@ def register(subparsers: Any) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = actions.add_parser("run", help="Tables 1-2: fine-tune with private projectors, TAR@FAR over trials")
     r.add_argument("config", type=Path, help="YAML settings, e.g. configs/aiot/small.yaml")
-    r.add_argument("--out", type=Path, help="output folder (default runs/<name>); a rerun resumes there")
+    r.add_argument("--out", type=Path, help="output folder (default runs/<name>)")
+    add_run_dir_arguments(r)
     r.add_argument("--trials", type=int, help="trials per method (default: the config's)")
     r.add_argument("--methods", help="comma-separated methods (default: the config's)")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
@@ -90,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         overrides["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
     cfg = load_aiot_run(args.config, overrides)
     out = args.out or Path("runs") / cfg.name
-    record = run_aiot(cfg, out, progress=not args.json)
+    record = run_aiot(cfg, out, progress=not args.json, resume=args.resume, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(record, indent=2, sort_keys=True))
         return 0

@@ -3,8 +3,8 @@
 - ``fedveil feduv run [--scale small|paper] [--config YAML] [--methods feduv,fedaws,softmax]
   [--code-lengths 127,255,511] [--out DIR] [--rounds N] [--writers N] [--unseen-writers N]
   [--train-examples N] [--fraction F] [--width-divisor W] [--narrow-head] [--seed S] [--threads T]
-  [--workers N] [--json] [--no-progress]``
-  trains every method (resuming a run directory that already has some of them), writes the run
+  [--workers N] [--json] [--no-progress] [--resume | --overwrite]``
+  trains every method (with ``--resume``, only those a run directory does not hold yet), writes the run
   directory (:func:`fedveil.experiments.feduv_runner.run_feduv`) and prints the AUC table.
 - ``fedveil feduv bench [--clients N] [--width-divisor W] [--threads T] [--one-by-one] [--json]``
   measures FedAvg client updates per second on the MNIST-UV net.
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fedveil.experiments.checkpoint import add_run_dir_arguments
 from fedveil.experiments.network_options import add_network_arguments, with_runtime
 
 
@@ -47,6 +48,7 @@ def register(subparsers: Any) -> None:
     r.add_argument("--workers", type=int, default=None, help="processes training methods side by side")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_dir_arguments(r)
     add_network_arguments(r, default_agents=4, clients="users", ray=False)
     a = actions.add_parser("agent", help="run users of a FedUV run as a device agent (docs/deployment.md)")
     a.add_argument("--server", required=True, help="the server's HOST:PORT")
@@ -140,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
             progress=None if args.json else lambda line: print(line, file=sys.stderr),
             show_bar=not args.json and not args.no_progress,
             network=network,
+            resume=args.resume,
+            overwrite=args.overwrite,
         ),
     )
     if args.json:

@@ -1,7 +1,7 @@
 """``fedveil ppfl run CONFIG``: PPFL's greedy layer-wise training in emulated TEEs (004_f28ec6505072f6a8.txt).
 
 - ``fedveil ppfl run CONFIG [--out DIR] [--rounds N] [--seed S] [--threads T] [--no-e2e] [--json]
-  [--no-progress] [--resume]``
+  [--no-progress] [--resume | --overwrite]``
   trains PPFL (and end-to-end FedAvg over the same total rounds), writes the run directory
   (:func:`fedveil.experiments.ppfl_runner.run_ppfl`) and prints the per-layer summary.
 - ``fedveil ppfl attacks [--model M] [--model-init I] [--classifier-pool P] [--data D] [--dra-targets N]
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fedveil.errors import ConfigError
+from fedveil.experiments.checkpoint import add_run_dir_arguments
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -60,9 +61,7 @@ def register(subparsers: Any) -> None:
     r.add_argument("--threads", type=int, default=None, help="torch threads (overrides the config)")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.add_argument(
-        "--resume", action="store_true", help="continue the run in --out after its last finished stage"
-    )
+    add_run_dir_arguments(r)
     a = actions.add_parser("attacks", help="Table 2: DLG, property and membership inference, E2E vs PPFL")
     _add_model_options(a)
     a.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
@@ -326,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
         progress=None if quiet else print,
         show_bar=not (quiet or args.no_progress),
         resume=args.resume,
+        overwrite=args.overwrite,
     )
     if args.json:
         print(json.dumps(results, indent=2, sort_keys=True))

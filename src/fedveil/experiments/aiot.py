@@ -21,8 +21,12 @@ evaluated by TAR at FAR 1e-3 and 1e-4 on reference-vs-wild pairs of the held-out
 
 Each method runs ``trials`` times (the population and the pre-trained model are fixed; device
 selection, projector initialisation and batch order change with the trial's seed) and is reported as
-mean +- standard deviation, as the paper's tables are. The run resumes: the pre-trained weights
-(safetensors) and every finished (method, trial) are saved in the output folder as they complete.
+mean +- standard deviation, as the paper's tables are. The run resumes (``resume``): the pre-trained
+weights (safetensors) and every finished (method, trial) are saved in the output folder as they
+complete; a folder that holds anything is refused otherwise, unless ``overwrite`` clears it first.
+Ctrl-C stops at the end of the round in progress
+(:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`); the (method, trial) it was in starts again
+on resume (its devices' private projectors are not checkpointed).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from tqdm import tqdm
 from fedveil.core.atomic import atomic_write
 from fedveil.core.provenance import code_identity
 from fedveil.data.faces import FaceImages, face_devices, synthetic_faces
-from fedveil.errors import ConfigError
+from fedveil.errors import ConfigError, RunInterrupted
+from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
 from fedveil.experiments.config import build_dataclass, read_yaml_mapping
 from fedveil.experiments.faces_domain import embed_faces, train_faces, verification
 from fedveil.models.faces import MobileFaceNet
@@ -148,8 +153,10 @@ def _federate(
     settings: ProjectorSettings,
     desc: str,
     progress: bool,
+    stop: StopAtRoundEnd | None = None,
 ) -> MobileFaceNet:
-    """The projector protocol over ``devices`` from the pre-trained ``state`` (``None``: random)."""
+    """The projector protocol over ``devices`` from the pre-trained ``state`` (``None``: random);
+    ``stop`` ends it at the end of a round after a Ctrl-C."""
     torch.manual_seed(seed)
     backbone = MobileFaceNet(image_size=run.size, width=run.width)
     if state is not None:
@@ -182,6 +189,8 @@ def _federate(
             report = await server.run_round(rnd, runtime)
             if report.loss is not None:
                 bar.set_postfix(loss=f"{report.loss:.2f}")
+            if stop is not None and rnd < rounds:
+                stop.check()  # after the last round the (method, trial) is finished and saved first
 
     asyncio.run(go())
     flat.load_into_module(server.full_weights())
@@ -196,12 +205,13 @@ def _method(
     train: FaceImages,
     test: tuple[FaceImages, np.ndarray],
     progress: bool,
+    stop: StopAtRoundEnd | None = None,
 ) -> dict[str, Any]:
     """One (method, trial) of the module docstring: its scores on the held-out identities."""
     seed = run.seed + 1000 * (trial + 1)
     devices = face_devices(train, run.identities_per_device)
     base = ProjectorSettings(warmup_batches=run.warmup_batches)
-    common = {"seed": seed, "progress": progress, "desc": f"{method} trial {trial + 1}"}
+    common = {"seed": seed, "progress": progress, "desc": f"{method} trial {trial + 1}", "stop": stop}
     federated = {"rounds": run.rounds, "clients_per_round": run.clients_per_round}
     variants = {
         "ours": (state, base),
@@ -258,11 +268,17 @@ def _write_json(path: Path, value: Any) -> None:
     atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 
 
-def run_aiot(run: AiotRun, out_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
+def run_aiot(
+    run: AiotRun,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> dict[str, Any]:
     """Pre-train (or reuse the saved pre-training), then each method and trial not yet done; writes
     ``results.json`` after each and returns it (module docstring)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     torch.set_num_threads(run.threads)
     settings = asdict(run)
     path = out / "results.json"
@@ -324,16 +340,26 @@ def run_aiot(run: AiotRun, out_dir: str | Path, *, progress: bool = True) -> dic
     )
     todo = [("pretrained", 0)] if "pretrained" in run.methods else []
     todo += [(m, t) for m in run.methods if m != "pretrained" for t in range(run.trials)]
-    for method, trial in todo:
-        key = f"{method}/{trial}"
-        if key in results:
-            continue
-        if method == "pretrained":
-            results[key] = evaluate_faces(model, *test)
-        else:
-            results[key] = _method(method, run, trial, state, train, test, progress)
-        record["summary"] = summarise(results)
-        _write_json(path, record)
+    key = ""
+    try:
+        with StopAtRoundEnd(f"AIoT run {run.name!r}") as stop:
+            for method, trial in todo:
+                key = f"{method}/{trial}"
+                if key in results:
+                    continue
+                if method == "pretrained":
+                    results[key] = evaluate_faces(model, *test)
+                else:
+                    results[key] = _method(method, run, trial, state, train, test, progress, stop)
+                record["summary"] = summarise(results)
+                _write_json(path, record)
+                stop.check()
+    except KeyboardInterrupt:
+        again = f"{key} starts again from its first round" if key not in results else "the rest follows"
+        raise RunInterrupted(
+            f"AIoT run {run.name!r} interrupted; its {len(results)} finished (method, trial)s are kept in "
+            f"{path}, and {again}"
+        ) from None
     record["seconds_this_session"] = time.perf_counter() - start
     record["summary"] = summarise(results)
     _write_json(path, record)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from fedveil.core.atomic import atomic_file, fsync_dir
-from fedveil.errors import ConfigError, RunInterrupted
+from fedveil.errors import ConfigError
 
 CHECKPOINT = "checkpoint.npz"
 SPEND_LOG = "privacy_spent.jsonl"
@@ -193,17 +193,27 @@ def crash_point(name: str, rnd: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class StopRequested(KeyboardInterrupt):
+    """Raised by :meth:`StopAtRoundEnd.check` at the end of a round after a Ctrl-C. A
+    ``KeyboardInterrupt``, so that it passes every ``except Exception`` between the round loop and the
+    runner (asyncio tasks, a sandboxed program's host calls), which turns it into
+    :class:`~fedveil.errors.RunInterrupted` as it does a second Ctrl-C."""
+
+
 class StopAtRoundEnd:
     """Ctrl-C for a training loop, the same in every runner (a context manager).
 
     While it is active (in the main thread: signals reach no other), the first SIGINT only sets
     :attr:`requested` and says so on stderr; the loop calls :meth:`check` at the end of each round, after
-    the round's checkpoint, and stops there with :class:`~fedveil.errors.RunInterrupted`. A second
-    SIGINT raises ``KeyboardInterrupt`` at once, which the runner turns into ``RunInterrupted`` too:
-    no traceback either way. ``what`` names the run in the stderr note."""
+    the round's checkpoint, and stops there (:class:`StopRequested`). A second SIGINT raises
+    ``KeyboardInterrupt`` at once. The runner turns either into :class:`~fedveil.errors.RunInterrupted`
+    saying where the run stopped; the command line prints it in one line, with the command that
+    continues. ``what`` names the run in the stderr note; ``also`` (optional) is a second way to ask,
+    for a worker process whose parent received the Ctrl-C (e.g. a shared event's ``is_set``)."""
 
-    def __init__(self, what: str = "the run") -> None:
+    def __init__(self, what: str = "the run", *, also: Callable[[], bool] | None = None) -> None:
         self.what = what
+        self.also = also
         self.requested = False
         self._previous: Any = None
         self._installed = False
@@ -230,7 +240,7 @@ class StopAtRoundEnd:
             flush=True,
         )
 
-    def check(self, message: Callable[[], str]) -> None:
-        """Raise ``RunInterrupted(message())`` if Ctrl-C was pressed (call at the end of a round)."""
-        if self.requested:
-            raise RunInterrupted(message())
+    def check(self) -> None:
+        """Raise :class:`StopRequested` if Ctrl-C was pressed (call at the end of a round)."""
+        if self.requested or (self.also is not None and self.also()):
+            raise StopRequested

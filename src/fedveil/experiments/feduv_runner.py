@@ -50,9 +50,10 @@ from tqdm import tqdm
 
 from fedveil.core.provenance import code_identity
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv, writer_difficulty_probe
-from fedveil.errors import ConfigError
+from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.eval.uv import DEFAULT_BINS, UV_EVALUATIONS, UvEvaluation, plot_uv_rocs
 from fedveil.eval.verification import Roc
+from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
 from fedveil.experiments.config import build_dataclass, read_yaml_mapping
 from fedveil.experiments.plots import plot_series
 from fedveil.models.feduv import build_uv_net
@@ -362,6 +363,8 @@ def run_feduv(
     show_bar: bool = False,
     code_cache_dir: str | None = None,
     network: Any = None,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train, deploy and evaluate every run of ``cfg``; write the run directory; return ``results.json``.
 
@@ -372,12 +375,15 @@ def run_feduv(
     each method in turn with its users as device agents over gRPC + mutual TLS.
 
     Nothing finished is lost: each method's outcome is written to ``methods/<label>.json`` and
-    ``methods/<label>.roc.npz`` as soon as it ends, and a later call on the same ``out_dir`` with the same
-    ``cfg`` reuses them and trains only the missing methods. A different ``cfg`` in an existing
-    ``out_dir`` is refused (:class:`ConfigError` naming the settings that differ).
+    ``methods/<label>.roc.npz`` as soon as it ends, and a later call with ``resume`` on the same
+    ``out_dir`` with the same ``cfg`` reuses them and trains only the missing methods. A different
+    ``cfg`` in an existing ``out_dir`` is refused (:class:`ConfigError` naming the settings that differ);
+    without ``resume`` a directory that holds anything is refused, unless ``overwrite`` clears it first.
+    Ctrl-C stops every method in training at the end of its round
+    (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`); they start again on resume.
     """
     torch.set_num_threads(cfg.threads)
-    out = Path(out_dir)
+    out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     _claim_run_dir(out, cfg)
     say = progress or (lambda _line: None)
     started = time.perf_counter()
@@ -413,24 +419,34 @@ def run_feduv(
         with tqdm.external_write_mode():
             say(f"{outcome.label}: {aucs} ({outcome.row['real_seconds']:.0f} s)")
 
-    with bar:
-        if cfg.workers == 1 or len(todo) <= 1 or network is not None:
-            for label, method, code_length in todo:
-                finished(
-                    _train_one(
-                        cfg,
-                        label,
-                        method,
-                        code_length,
-                        data,
-                        code_cache_dir,
-                        bar.update,
-                        network=network,
-                        out=out,
+    try:
+        with bar, StopAtRoundEnd(f"FedUV run {cfg.name!r}") as stop:
+            if cfg.workers == 1 or len(todo) <= 1 or network is not None:
+                for label, method, code_length in todo:
+                    finished(
+                        _train_one(
+                            cfg,
+                            label,
+                            method,
+                            code_length,
+                            data,
+                            code_cache_dir,
+                            bar.update,
+                            network=network,
+                            out=out,
+                            stop=stop,
+                        )
                     )
-                )
-        else:
-            _train_in_pool(cfg, todo, code_cache_dir, bar.update, finished)
+                    stop.check()
+            else:
+                _train_in_pool(cfg, todo, code_cache_dir, bar.update, finished, stop)
+    except KeyboardInterrupt:
+        left = [label for label, _, _ in cfg.runs() if label not in outcomes]
+        raise RunInterrupted(
+            f"FedUV run {cfg.name!r} interrupted; its finished methods "
+            f"({', '.join(outcomes) or 'none'}) are kept in {out / 'methods'}, and "
+            f"{', '.join(left)} start again from their first round"
+        ) from None
     curves: dict[str, dict[str, Roc]] = {kind: {} for kind in UV_EVALUATIONS}
     with open(out / "metrics.jsonl", "w", encoding="utf-8") as fh:
         for label, _, _ in cfg.runs():
@@ -543,19 +559,30 @@ def _train_in_pool(
     code_cache_dir: str | None,
     advance: Callable[[int], object],
     finished: Callable[[_Outcome], None],
+    stop: StopAtRoundEnd,
 ) -> None:
     """Train ``runs`` in ``cfg.workers`` spawned processes; ``advance(n)`` as rounds complete there,
-    ``finished`` as each run ends (in completion order)."""
+    ``finished`` as each run ends (in completion order). After a Ctrl-C here (``stop``) or in a worker,
+    every worker stops at the end of its round and no further run starts."""
     spawn = multiprocessing.get_context("spawn")
     with spawn.Manager() as manager:
         ticks = manager.Queue()
+        halt = manager.Event()
         with ProcessPoolExecutor(max_workers=min(cfg.workers, len(runs)), mp_context=spawn) as pool:
-            pending = {pool.submit(_train_in_worker, cfg, *run, code_cache_dir, ticks) for run in runs}
-            while pending:
-                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-                _drain(ticks, advance)
-                for future in done:
-                    finished(future.result())
+            pending = {pool.submit(_train_in_worker, cfg, *run, code_cache_dir, ticks, halt) for run in runs}
+            try:
+                while pending:
+                    done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                    _drain(ticks, advance)
+                    for future in done:
+                        finished(future.result())
+                    if stop.requested:
+                        halt.set()
+                        stop.check()
+            except BaseException:
+                halt.set()  # the running workers stop at the end of their round; the queued never start
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
             _drain(ticks, advance)
 
 
@@ -574,12 +601,17 @@ def _train_in_worker(
     code_length: int | None,
     code_cache_dir: str | None,
     ticks: Any,
+    halt: Any,
 ) -> _Outcome:
     """:func:`_train_one` in a worker process, on data generated there from ``cfg``; rounds are reported
-    on ``ticks`` in blocks of ten."""
+    on ``ticks`` in blocks of ten; it stops at the end of a round once ``halt`` (an event) is set or this
+    process receives Ctrl-C."""
     torch.set_num_threads(cfg.threads)
     data = generate_mnist_uv(cfg.data_config())
-    return _train_one(cfg, label, method, code_length, data, code_cache_dir, ticks.put, tick_every=10)
+    with StopAtRoundEnd(f"FedUV {label}", also=halt.is_set) as stop:
+        return _train_one(
+            cfg, label, method, code_length, data, code_cache_dir, ticks.put, tick_every=10, stop=stop
+        )
 
 
 def _train_one(
@@ -594,10 +626,12 @@ def _train_one(
     tick_every: int = 1,
     network: Any = None,
     out: Path | None = None,
+    stop: StopAtRoundEnd | None = None,
 ) -> _Outcome:
     """Train, deploy and evaluate one method; ``advance(n)`` after every ``tick_every`` rounds.
     ``network`` (a :class:`fedveil.experiments.network_run.NetworkPlan`) runs the users as device agents
-    over gRPC + mutual TLS instead of in this process."""
+    over gRPC + mutual TLS instead of in this process; ``stop`` ends it at the end of a round after a
+    Ctrl-C."""
     server, pool = _build(cfg, method, code_length, data, code_cache_dir)
     runtime: Any
     if network is None:
@@ -628,6 +662,8 @@ def _train_one(
             lines.append({"method": label, **report.as_dict()})
             if rnd % tick_every == 0 or rnd == cfg.rounds:
                 step(rnd % tick_every or tick_every)
+            if stop is not None and rnd < cfg.rounds:
+                stop.check()
         await server.deploy(runtime, cfg.q)
         return {
             kind: await server.evaluate(runtime, genuine, impostor, bins=cfg.bins)

@@ -30,7 +30,13 @@ releases those stages to the devices again and goes on with the next one; the st
 when the run stopped starts again (its values lived in the enclave and the devices' TEEs, which do not
 outlive their processes), as does a final stage whose classifier the TEEs keep. The resumed stages draw
 other random cohorts and batches than an uninterrupted run would. The checkpoint is removed once
-``results.json`` is written.
+``results.json`` is written. A directory that holds anything is refused unless ``--resume`` or
+``--overwrite`` (clear it first) is given.
+
+**Ctrl-C** stops the run at the end of its round (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`):
+the checkpoint then holds the stages finished so far, and the message says which stage ``--resume``
+starts again. A round whose evaluation may end its stage (a target accuracy reached, ``patience``) stops
+only after that stage's checkpoint, so that a stage that has just finished is never trained again.
 """
 
 from __future__ import annotations
@@ -54,8 +60,15 @@ from fedveil.core.atomic import atomic_write
 from fedveil.core.provenance import code_identity
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.data.images import ImageData
-from fedveil.errors import ConfigError
-from fedveil.experiments.checkpoint import CHECKPOINT, Checkpoint, load_checkpoint, save_checkpoint
+from fedveil.errors import ConfigError, RunInterrupted
+from fedveil.experiments.checkpoint import (
+    CHECKPOINT,
+    Checkpoint,
+    StopAtRoundEnd,
+    load_checkpoint,
+    prepare_run_dir,
+    save_checkpoint,
+)
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.plots import plot_series
 from fedveil.experiments.runner import device_sessions
@@ -211,16 +224,17 @@ def run_ppfl(
     progress: Callable[[str], None] | None = None,
     show_bar: bool = True,
     resume: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train PPFL (and the end-to-end baseline), write the run directory, return ``results.json``.
 
     With ``resume``, a run directory holding a checkpoint of the same config continues after the last
-    stage it finished (module docstring); one holding finished results returns them."""
+    stage it finished (module docstring); one holding finished results returns them. Without it the
+    directory must be missing or empty, or ``overwrite`` clears it first."""
     say = progress or (lambda _line: None)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(run.threads)
     stages = run.ppfl.stages(_model(run, 10, 3, 32))  # a bad block size or train_last fails before loading
+    out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     config = asdict(run)
     split = split_images(run.images())
     config["data_source"] = split.train.describe()
@@ -240,6 +254,17 @@ def run_ppfl(
         dict(ckpt.meta) if ckpt is not None else {"config": config, "stages": [], "seconds": 0.0}
     )
     e2e: list[dict[str, Any]] | None = None
+    stop = StopAtRoundEnd(f"PPFL run {run.name!r}")
+
+    def interrupted() -> RunInterrupted:
+        saved = load_checkpoint(out)
+        done = len(saved.meta.get("stages", [])) if saved is not None else 0
+        kept = f"stages 0-{done - 1} are kept" if done else "no stage is kept"
+        return RunInterrupted(
+            f"PPFL run {run.name!r} interrupted; {kept} in {out / CHECKPOINT}, and stage {done} starts "
+            "again from its first round (its values lived in the TEEs)"
+        )
+
     if run.reach_e2e_rounds is not None:
         if "e2e" in state:
             e2e, e2e_seconds = state["e2e"], float(state["e2e_seconds"])
@@ -250,6 +275,8 @@ def run_ppfl(
             e2e_seconds = time.perf_counter() - started
             state.update(e2e=e2e, e2e_seconds=e2e_seconds)
             save_checkpoint(out, Checkpoint(0, {}, state))
+            if stop.requested:
+                raise interrupted()
         target = e2e[-1]["test_accuracy"]
         say(f"E2E FedAvg: {len(e2e)} rounds, accuracy {target:.4f}: PPFL's target")
         run = replace(run, ppfl=replace(run.ppfl, target_accuracy=target))
@@ -276,6 +303,7 @@ def run_ppfl(
         seconds = float(state["seconds"]) + time.perf_counter() - started_at
         last_round = report.rounds[-1]["round"] if report.rounds else 0
         save_checkpoint(out, Checkpoint(last_round, dict(released_so_far), {**state, "seconds": seconds}))
+        stop.check()
 
     bar = tqdm(total=None, unit="round", desc=run.name, disable=not show_bar)
 
@@ -285,6 +313,8 @@ def run_ppfl(
         bar.update(1)
         if "accuracy" in line:
             bar.set_postfix(layer=line["stage"], acc=f"{line['accuracy']:.3f}")
+        if not _may_end_stage(run.ppfl, line):
+            stop.check()
 
     def memory(server: PpflServer) -> None:
         bar.total = len(server.stages) * run.ppfl.rounds_per_stage
@@ -297,15 +327,18 @@ def run_ppfl(
         )
 
     try:
-        trained = train_ppfl(
-            run,
-            split,
-            progress=record,
-            on_setup=memory,
-            resume=restored,
-            start_round=ckpt.round if ckpt is not None else 0,
-            on_stage=checkpoint,
-        )
+        with stop:
+            trained = train_ppfl(
+                run,
+                split,
+                progress=record,
+                on_setup=memory,
+                resume=restored,
+                start_round=ckpt.round if ckpt is not None else 0,
+                on_stage=checkpoint,
+            )
+    except KeyboardInterrupt:
+        raise interrupted() from None
     finally:
         bar.close()
     server, final = trained.server, trained.final
@@ -374,6 +407,19 @@ def run_ppfl(
     _write_json(out / "results.json", results)
     (out / CHECKPOINT).unlink(missing_ok=True)
     return results
+
+
+def _may_end_stage(cfg: PpflConfig, line: Mapping[str, Any]) -> bool:
+    """Whether the round of ``line`` may be its stage's last (its last planned round, or an evaluation
+    that may stop the stage early: a target accuracy reached, ``patience`` set), so that Ctrl-C waits for
+    the stage's checkpoint (:meth:`~fedveil.protocols.ppfl.PpflServer.train`)."""
+    accuracy = line.get("accuracy")
+    if line["stage_round"] >= cfg.rounds_per_stage:
+        return True
+    if accuracy is None:
+        return False
+    reached = cfg.target_accuracy is not None and accuracy >= cfg.target_accuracy
+    return reached or cfg.patience is not None
 
 
 def _phase_seconds(server: PpflServer) -> list[dict[str, Any]]:

@@ -56,7 +56,9 @@ def run_transfer_sweep(
             result = json.loads(done.read_text(encoding="utf-8"))
             say(f"{folder.name}: done before, accuracy {result['final_accuracy']}")
         else:
-            result = run_ppfl(replace(sub, name=f"{run.name}/{folder.name}"), folder, show_bar=show_bar)
+            result = run_ppfl(
+                replace(sub, name=f"{run.name}/{folder.name}"), folder, show_bar=show_bar, resume=True
+            )  # a setting cut off before continues after its last finished stage
             say(f"{folder.name}: accuracy {result['final_accuracy']}")
         rows.append(
             {

@@ -579,7 +579,7 @@ def run_experiment(
             if scheduled(rnd):
                 await evaluation(fh, rnd)
             if rnd < cfg.rounds:
-                stop.check(lambda: "")
+                stop.check()
         if not metrics:
             await evaluation(fh, last)
 
@@ -611,7 +611,7 @@ def run_experiment(
             stop,
         ):
             asyncio.run(main(fh, dh))
-    except (KeyboardInterrupt, asyncio.CancelledError, RunInterrupted):
+    except (KeyboardInterrupt, asyncio.CancelledError):
         ckpt = load_checkpoint(out)
         done = f"after round {ckpt.round}, whose checkpoint is" if ckpt else "before its first checkpoint,"
         raise RunInterrupted(f"run {cfg.name!r} interrupted {done} in {out}") from None
