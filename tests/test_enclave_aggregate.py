@@ -9,8 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedveil.enclave.aggregate import BLOCK, GradientSum, aggregate_gradients
-from fedveil.errors import ValidationError
+from fedveil.enclave.aggregate import (
+    BLOCK,
+    DEFAULT_MAX_UPLOAD_NORM,
+    GradientSum,
+    aggregate_gradients,
+    check_max_upload_norm,
+    check_upload,
+    upload_norm,
+)
+from fedveil.errors import ConfigError, ValidationError
 
 
 def brute(gradients: dict[str, np.ndarray], counts: dict[str, int]) -> np.ndarray:
@@ -150,3 +158,25 @@ def test_float64_gradients_accumulate_in_float64() -> None:
 def test_bad_input_names_the_participant(gradients: dict, counts: dict, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
         aggregate_gradients(gradients, counts)
+
+
+def test_an_upload_over_the_norm_bound_or_not_finite_is_refused() -> None:
+    """:func:`check_upload` (FDML's gradients, inside the enclave and out, and the FedAvg engine's
+    updates): the L2 norm, of the upload or of its change to ``reference``, summed in float64 so that
+    float32 values near their largest do not overflow it."""
+    g = np.full(2 * BLOCK + 3, 3e38, np.float32)
+    assert upload_norm(g) == pytest.approx(3e38 * np.sqrt(g.size), rel=1e-6)
+    assert upload_norm(np.array([3, 4], np.float32), np.array([0, 8], np.float32)) == 5.0
+    check_upload(np.array([3, 4], np.float32), 5.0)
+    with pytest.raises(ValidationError, match=r"gradient of L2 norm 5 exceeds max_upload_norm 4\.9"):
+        check_upload(np.array([3, 4], np.float32), 4.9)
+    with pytest.raises(ValidationError, match="update of L2 norm"):
+        check_upload(np.array([3, 4], np.float32), 1.0, reference=np.zeros(2, np.float32), what="update")
+    with pytest.raises(ValidationError, match="NaN or infinity"):
+        check_upload(np.array([np.inf, 0], np.float32), DEFAULT_MAX_UPLOAD_NORM)
+    with pytest.raises(ValidationError, match=r"exceeds max_upload_norm 1e\+06"):
+        check_upload(g, DEFAULT_MAX_UPLOAD_NORM)
+    assert check_max_upload_norm(10) == 10.0
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1e6"):
+        with pytest.raises(ConfigError, match="max_upload_norm"):
+            check_max_upload_norm(bad)

@@ -339,3 +339,55 @@ def test_the_heap_meter_bounds_the_traced_peak_of_whole_calls(dp: bool) -> None:
         # a bound by construction (Alg. 1's memory plan, Eq. 2's arrays), not a measurement: loose but
         # within a small factor of the truth
         assert reply["peak_bytes"] < 5 * true_peak, (true_peak, reply["peak_bytes"])
+
+
+def test_expected_shapes_come_from_the_request_never_from_the_first_client() -> None:
+    """A first client with another embedding width (or as many values in another shape), or a first
+    gradient of one value more, does not become the reference: it alone is rejected, and the honest
+    clients are computed and aggregated. Gradients over the norm bound are rejected likewise."""
+    host, platform, config = _start()
+    ids = ["narrow", "tall", "a", "b", "c"]
+    sessions = _sessions(host, platform, config, ids)
+    emb = _embeddings(ids)
+    emb["narrow"] = emb["narrow"][:, :7].copy()
+    emb["tall"] = emb["tall"].reshape(8, 4)
+    sealed = {c: sessions[c].seal_embeddings(0, emb[c]) for c in ids}
+    result = host.loss_and_derivatives(0, sealed, shape=(4, 8))
+    assert list(result.derivatives) == ["a", "b", "c"]
+    assert result.rejected == {
+        "narrow": "ValidationError: embeddings of shape (4, 7), expected (4, 8)",
+        "tall": "ValidationError: embeddings of shape (8, 4), expected (4, 8)",
+    }
+    assert result.loss == _direct({c: emb[c] for c in ("a", "b", "c")}, config).loss
+
+    rng = np.random.default_rng(3)
+    grads = {c: rng.standard_normal(300).astype(np.float32) for c in ids}
+    grads["narrow"] = rng.standard_normal(301).astype(np.float32)
+    grads["tall"] = np.full(300, 3e38, np.float32)
+    counts = dict.fromkeys(ids, 4)
+    sealed = {c: sessions[c].seal_gradient(0, grads[c]) for c in ids}
+    agg = host.aggregate(0, sealed, counts, size=300, max_norm=1e3)
+    assert agg.accepted == ["a", "b", "c"]
+    assert agg.rejected["narrow"] == "ValidationError: gradient of shape (301,), expected (300,)"
+    assert "exceeds max_upload_norm 1e+03" in agg.rejected["tall"]
+    honest = {c: grads[c] for c in ("a", "b", "c")}
+    assert np.array_equal(agg.gradient, aggregate_gradients(honest, {c: 4 for c in honest}))
+
+
+def test_a_request_without_the_expected_shapes_is_refused() -> None:
+    host, platform, config = _start()
+    sessions = _sessions(host, platform, config, ["a"])
+    record = bytes(sessions["a"].seal_embeddings(0, _embeddings(["a"])["a"]))
+    service = host._transport._service
+    refused = _reply(service, {"op": "loss", "round": 0, "attempt": 0, "clients": ["a"]}, [record])
+    assert refused["error"] == "CodecError" and "'shape'" in refused["message"]
+    header = {
+        "op": "aggregate",
+        "round": 0,
+        "attempt": 0,
+        "clients": ["a"],
+        "num_samples": [1],
+        "final": True,
+    }
+    assert "'size'" in _reply(service, header, [record])["message"]
+    assert "'max_norm'" in _reply(service, {**header, "size": 3, "max_norm": 0}, [record])["message"]

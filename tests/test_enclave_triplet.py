@@ -308,3 +308,27 @@ def test_reference_fit_check() -> None:
     assert reference_fits(64, 8) and not reference_fits(4096, 64)
     with pytest.raises(ConfigError, match="does not fit"):
         reference_loss_and_derivatives(np.zeros((700, 2)), np.zeros(700, np.int64), margin=1.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unusable_rows_are_exactly_those_alg1_refuses(dtype: type) -> None:
+    """Whoever filters embeddings before Alg. 1 (the enclave per client, the host per device reply) uses
+    :func:`triplet.unusable_rows`: a row just below :func:`triplet.magnitude_limit` is kept and computed,
+    a row at the limit is flagged, and Alg. 1 refuses exactly such a batch."""
+    d = 64
+    limit = triplet.magnitude_limit(dtype, d)
+    assert limit.dtype == dtype and 5e17 < float(triplet.magnitude_limit(np.float32, d)) < 6e17
+    below = np.nextafter(limit, dtype(0))
+    x = np.random.default_rng(0).standard_normal((4, d)).astype(dtype)
+    labels = np.array([0, 0, 1, 1])
+    x[1, 3] = -below
+    non_finite, too_large = triplet.unusable_rows(x)
+    assert not non_finite.any() and not too_large.any()
+    loss_and_derivatives(x, labels, margin=1.0)
+    x[2, 5] = limit
+    x[3, 0] = np.nan
+    non_finite, too_large = triplet.unusable_rows(x)
+    assert non_finite.tolist() == [False, False, False, True]
+    assert too_large.tolist() == [False, False, True, False]
+    with pytest.raises(ValidationError, match="too large"):
+        loss_and_derivatives(x[:3], labels[:3], margin=1.0)

@@ -121,3 +121,16 @@ def test_cli_refuses_an_ignored_key_before_training(
     assert main(["run", config, "--out", str(out), "--set", "data.path=/nonexistent/x.csv"]) == 2
     assert "data.path='/nonexistent/x.csv' has no effect" in capsys.readouterr().err
     assert not out.exists(), "nothing was trained or written"
+
+
+def test_the_upload_norm_bound_is_a_finite_positive_number() -> None:
+    """``fdml.max_upload_norm`` and ``fedavg.max_upload_norm`` bound one device's upload; the default is
+    generous (it changes no honest run), and a value that would disable or break it is refused."""
+    assert load_config(None, []).fdml.max_upload_norm == 1e6
+    assert load_config(None, ["fdml.max_upload_norm=1e3"]).fdml.max_upload_norm == 1000.0
+    assert load_config(None, ["protocol=fedavg", "fedavg.max_upload_norm=50"]).fedavg.max_upload_norm == 50.0
+    for value in ("0", "-1", ".inf", ".nan"):
+        with pytest.raises(ConfigError, match=r"fdml\.max_upload_norm .* must be a finite number > 0"):
+            load_config(None, [f"fdml.max_upload_norm={value}"])
+    with pytest.raises(ConfigError, match=r"fedavg\.max_upload_norm"):
+        load_config(None, ["protocol=fedavg", "fedavg.max_upload_norm=0"])

@@ -266,3 +266,21 @@ def test_vmap_fallback_equals_client_by_client(toy_population) -> None:
     for c in ids:
         np.testing.assert_allclose(e_fast[c].embeddings, e_slow[c].embeddings, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(g_fast[c].gradient, g_slow[c].gradient, rtol=1e-4, atol=1e-5)
+
+
+def test_an_aggregate_of_the_wrong_size_never_reaches_adam(toy_population, monkeypatch, caplog) -> None:
+    """Every upload is checked against the model, so step 9 cannot release another size; if an enclave
+    did (or a non-finite one), the server leaves the round unapplied and says why, rather than letting
+    the optimizer fail (``attempting to assign a gradient of size ...``) or its moments turn infinite."""
+    server, rt, _, _ = _setup(toy_population, replace(CFG, min_gradients=1))
+    size = server.params.numel()
+    for bad in (np.zeros(size + 1, np.float32), np.full(size, np.inf, np.float32)):
+        monkeypatch.setattr(LocalEnclave, "step_nine", lambda self, *a, bad=bad: (bad, {}))
+        before = server.weights
+        with caplog.at_level("ERROR", logger="fedveil.protocols.fdml"):
+            (report,) = _rounds(server, rt, 1)
+        assert not report.applied and np.array_equal(server.weights, before)
+        assert f"aggregate of shape {bad.shape}" in caplog.text
+    monkeypatch.undo()
+    (report,) = _rounds(server, rt, 1, start=3)
+    assert report.applied and not np.array_equal(server.weights, before)

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import pytest
 
+from conftest import ToyPopulation
 from fedveil.core.attestation_verify import MeasurementMismatchError
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import load_config
 from fedveil.experiments.privacy_setup import plan_privacy
 from fedveil.experiments.runner import EMBEDDING_DIM, build_trainer
+from fedveil.protocols.messages import EmbedReply, GradReply
 
 SMALL = [
     "data.train_users_per_model=[6, 6]",
@@ -244,3 +251,149 @@ def test_a_gradient_phase_that_fails_midway_leaves_the_enclave_channel_in_step(t
     finally:
         trainer.close()
     assert failed == [4] and report.applied
+
+
+# --- hostile devices, at every boundary -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attack:
+    """What a hostile device makes of its honest upload in ``phase``, and the refusal expected: a regex
+    of its reason (``{P}`` is the model's parameter count)."""
+
+    phase: str
+    tamper: Callable[[np.ndarray], np.ndarray]
+    reason: str
+
+
+ATTACKS = {
+    # finite, but squared distances overflow float32 (between the enclave's old filter and Alg. 1's limit)
+    "huge_embeddings": Attack("embed", lambda e: np.full_like(e, 6e17), r"too large for float32"),
+    # as many bytes as the right shape (the host cannot tell), another width: the enclave must refuse it
+    "reshaped_embeddings": Attack(
+        "embed", lambda e: e.reshape(2 * e.shape[0], e.shape[1] // 2), r"shape \(8, 32\), expected \(4, 64\)"
+    ),
+    "missing_row": Attack(
+        "embed", lambda e: e[:-1].copy(), r"shape \(3, 64\), expected|embeddings of shape \(4, 64\) seal to"
+    ),
+    "long_gradient": Attack(
+        "grad", lambda g: np.append(g, np.float32(0.5)), r"shape \({P1},\), expected|{P} values seal to"
+    ),
+    # finite but absurd: Adam's second moment would turn infinite and freeze the network for good
+    "huge_gradient": Attack("grad", lambda g: np.full_like(g, 3e38), r"L2 norm .* exceeds max_upload_norm"),
+}
+
+
+class _HostileSession:
+    """A device's real enclave session that seals what the attack makes of its embeddings or gradient:
+    the record is authentic, only its content is hostile."""
+
+    def __init__(self, inner: Any, cid: str, hostile: Hostile) -> None:
+        self.inner, self.cid, self.hostile = inner, cid, hostile
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def seal_embeddings(self, rnd: int, embeddings: np.ndarray, *, attempt: int = 0) -> Any:
+        array = self.hostile.apply(self.cid, rnd, "embed", embeddings)
+        return self.inner.seal_embeddings(rnd, array, attempt=attempt)
+
+    def seal_gradient(self, rnd: int, gradient: Any, *, attempt: int = 0, out: Any = None) -> Any:
+        if isinstance(gradient, (list, tuple)):
+            gradient = np.concatenate(gradient)
+        array = self.hostile.apply(self.cid, rnd, "grad", gradient)
+        return self.inner.seal_gradient(rnd, array, attempt=attempt, out=out)
+
+
+class Hostile:
+    """An FDML training in which, while ``attack`` is set, the first device addressed in the attack's
+    phase of each round uploads what the attack makes of its honest array: on the plain path its reply
+    is rewritten, through the TEE it seals the rewritten array itself. Being first, its upload is also
+    the first the enclave opens (the one an enclave that took shapes from the first record would trust).
+    Refusals are gathered from the runtime's dropouts and the server's log of enclave rejections."""
+
+    def __init__(self, boundary: str) -> None:
+        cfg = load_config(
+            None, [*SMALL, "fdml.k=1.5", "fdml.min_gradients=1", f"enclave.boundary={boundary}"]
+        )
+        self.boundary = boundary
+        self.trainer = build_trainer(cfg, ToyPopulation())
+        self.attack: Attack | None = None
+        self.victims: dict[int, str] = {}
+        self.round = 0
+        pool = self.trainer.pool
+        pool.defer_uploads = False  # a tampered gradient is sealed afresh, not into a slot of the honest size
+        asyncio.run(self.trainer.server.register(self.trainer.runtime))
+        if pool.sessions is None:
+            honest = pool.handle_batch
+
+            def handle_batch(msgs: dict[str, Any]) -> dict[str, Any]:
+                out = honest(msgs)
+                for cid, reply in out.items():
+                    if isinstance(reply, EmbedReply):
+                        out[cid] = replace(
+                            reply, embeddings=self.apply(cid, reply.round, "embed", reply.embeddings)
+                        )
+                    elif isinstance(reply, GradReply):
+                        out[cid] = replace(
+                            reply, gradient=self.apply(cid, reply.round, "grad", reply.gradient)
+                        )
+                return out
+
+            pool.handle_batch = handle_batch
+        else:
+            pool.sessions = {c: _HostileSession(s, c, self) for c, s in pool.sessions.items()}
+
+    def apply(self, cid: str, rnd: int, phase: str, array: np.ndarray) -> np.ndarray:
+        """The array ``cid`` uploads in ``phase`` of round ``rnd``."""
+        if self.attack is None or self.attack.phase != phase or self.victims.setdefault(rnd, cid) != cid:
+            return array
+        return self.attack.tamper(np.asarray(array))
+
+    def run_round(self, caplog: pytest.LogCaptureFixture) -> tuple[Any, dict[str, str], float]:
+        """One round: its report, the devices refused in it (dropouts that are not merely late, and
+        enclave rejections) with their reasons, and how far the round moved the weights."""
+        self.round += 1
+        server, runtime = self.trainer.server, self.trainer.runtime
+        seen, before = len(runtime.stats().dropouts), server.weights
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fedveil.protocols.fdml"):
+            report = asyncio.run(server.run_round(self.round, runtime))
+        refused = {
+            d.client: d.reason for d in runtime.stats().dropouts[seen:] if not d.reason.startswith("late")
+        }
+        for record in caplog.records:
+            if record.msg.startswith("enclave rejected device"):
+                refused[record.args[0]] = record.args[2]
+        return report, refused, float(np.abs(server.weights - before).max())
+
+
+@pytest.fixture(scope="module", params=["none", "inprocess", "process"])
+def hostile(request: pytest.FixtureRequest) -> Iterator[Hostile]:
+    """One training per boundary (one enclave process for ``process``), shared by the attacks."""
+    run = Hostile(request.param)
+    yield run
+    run.trainer.close()
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_a_hostile_upload_is_a_dropout_and_training_goes_on(
+    hostile: Hostile, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In every phase and at every boundary, a device whose upload has the wrong shape, or values Alg. 1
+    or Adam cannot take, is refused with its reason (on the plain path as in the TEE: never as an error
+    out of the round, and never by rejecting the honest devices), the others' round is applied, and the
+    network keeps learning in the rounds after."""
+    attack = ATTACKS[name]
+    hostile.attack = attack
+    report, refused, moved = hostile.run_round(caplog)
+    hostile.attack = None
+    victim = hostile.victims[hostile.round]
+    params = int(hostile.trainer.server.params.numel())
+    assert list(refused) == [victim], refused
+    assert re.search(attack.reason.format(P=params, P1=params + 1), refused[victim]), refused[victim]
+    assert report.applied and moved > 0
+    for _ in range(2):
+        report, refused, moved = hostile.run_round(caplog)
+        assert report.applied and not refused and moved > 0
+    assert np.isfinite(hostile.trainer.server.weights).all()

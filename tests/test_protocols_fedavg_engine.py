@@ -4,6 +4,7 @@ evaluation, metering through the codec, and a spy showing private parameters nev
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -200,3 +201,42 @@ def test_bad_input() -> None:
         ImageFedAvgConfig(batch_size=0)
     with pytest.raises(ConfigError, match="server_lr"):
         _run(replace(CFG, server_lr=0.0), rounds=1)
+
+
+class _OneHugeUpload(ModelClients):
+    """Clients of which the first to reply in round 1 uploads finite but absurd weights (3e38)."""
+
+    def handle_batch(self, msgs):
+        out = super().handle_batch(msgs)
+        first = next(iter(out))
+        if isinstance(out[first], FitReply) and out[first].round == 1:
+            self.victim = first
+            out[first] = replace(out[first], weights=np.full_like(out[first].weights, 3e38))
+        return out
+
+
+@pytest.mark.parametrize("bound", [None, 5.0])
+def test_one_absurd_upload_is_a_dropout_and_training_goes_on(bound) -> None:
+    """The engine refuses an upload whose change to the weights it was sent exceeds ``max_upload_norm``
+    (a dropout with its reason), averages the others, and the model keeps learning in the next rounds;
+    without the bound the average would hold 1e37-sized weights and every later update would fail."""
+    cfg = CFG if bound is None else replace(CFG, max_upload_norm=bound)
+    torch.manual_seed(0)
+    flat = FlatModel(Tiny())
+    data, _, _ = _data()
+    initial = flat.initial()
+    pool = _OneHugeUpload(flat, data, optimizer=cfg.optimizer, seed=4, initial=initial)
+    rt = SimulationRuntime(pool, rng=np.random.default_rng(2))
+    server = ModelServer(cfg, flat, np.random.default_rng(1), initial=initial)
+    server.setup(rt)
+    weights = [server.weights]
+    for rnd in (1, 2, 3):
+        report = asyncio.run(server.run_round(rnd, rt))
+        assert report.applied and report.gradients == (3 if rnd == 1 else 4)
+        weights.append(server.weights)
+    (drop,) = rt.stats().dropouts
+    assert drop.client == pool.victim and "exceeds max_upload_norm" in drop.reason
+    assert all(np.isfinite(w).all() and np.abs(w).max() < 10 for w in weights)
+    assert all(not np.array_equal(a, b) for a, b in itertools.pairwise(weights))
+    with pytest.raises(ConfigError, match="max_upload_norm"):
+        replace(CFG, max_upload_norm=0.0)
