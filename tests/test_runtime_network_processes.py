@@ -140,8 +140,9 @@ def test_killed_agent_is_a_dropout_and_a_killed_server_resumes(tmp_path: Path) -
 
     rounds = _rounds(run)
     assert [r["round"] for r in rounds] == list(range(1, 41)), "no round lost or repeated"
-    after_kill = [r for r in rounds if r["round"] > 3 and not r.get("interrupted")]
-    assert any(r["dropouts"] > 0 for r in after_kill), "the dead agent's devices are dropouts"
+    # at most the round in flight when the agent died loses its devices; later rounds select around them
+    after_kill = [r for r in rounds if r["round"] > seen + 1 and not r.get("interrupted")]
+    assert after_kill and all(r["dropouts"] == 0 for r in after_kill), "a dead agent's devices are left out"
     assert sum(r["applied"] for r in rounds) >= 30
     results = json.loads((run / "results.json").read_text())
     paid = SpendLog(run).rounds()
@@ -190,7 +191,7 @@ def test_fedveil_run_over_the_network_stops_cleanly_and_resumes(tmp_path: Path) 
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 2
-    assert b"continue with the same command and --resume" in err
+    assert b"interrupted after round" in err and b"--resume" in err, "it says how to continue"
     deadline = time.monotonic() + 30
     while _processes_mentioning(str(out)) and time.monotonic() < deadline:
         time.sleep(0.1)
