@@ -64,7 +64,9 @@ def test_strategies_report_per_group_epsilon(tmp_path: Path, capsys: pytest.Capt
     single = results["strategies"]["single:loose"]
     assert single["privacy"]["strict"]["rounds"] == 0 and single["rounds"] == 3
     assert (out / "curves.png").stat().st_size > 0
-    assert main(["polifl", "run", str(_config(tmp_path)), "--out", str(out)]) == 0
+    assert main(["polifl", "run", str(_config(tmp_path)), "--out", str(out)]) == 2, "a used folder"
+    assert "--resume" in capsys.readouterr().err
+    assert main(["polifl", "run", str(_config(tmp_path)), "--out", str(out), "--resume"]) == 0
     printed = capsys.readouterr().out
     assert "cascaded" in printed and "epsilon: strict" in printed and "released" in printed
 
@@ -103,7 +105,12 @@ def test_a_crashed_run_resumes_to_the_same_model(tmp_path: Path, monkeypatch: py
     with pytest.raises(RuntimeError, match="power cut"):
         polifl.run_polifl(cfg, tmp_path / "crashed", strategies=("cascaded",), progress=False)
     monkeypatch.setattr(polifl, "run_stage", real)
-    resumed = polifl.run_polifl(cfg, tmp_path / "crashed", strategies=("cascaded",), progress=False)
+    other = load_polifl_run(_config(tmp_path), {"rounds": 4})
+    with pytest.raises(ConfigError, match=r"other settings \(rounds\)"):
+        polifl.run_polifl(other, tmp_path / "crashed", strategies=("cascaded",), progress=False, resume=True)
+    resumed = polifl.run_polifl(
+        cfg, tmp_path / "crashed", strategies=("cascaded",), progress=False, resume=True
+    )
     a, b = whole["strategies"]["cascaded"], resumed["strategies"]["cascaded"]
     assert a["history"] == b["history"] and a["privacy"] == b["privacy"]
     with (

@@ -1,9 +1,10 @@
 """``fedveil polifl``: PoliFL's policy-compliant federated learning (003_d27972a5478cff69.txt).
 
-- ``fedveil polifl run CONFIG [--out DIR] [--strategies S,...] [--rounds R] [--json]``: the compliance
-  strategies of Sec. 6 (cascaded, combined, single group) with per-group DP and policy enforcement on
-  devices and server (:func:`fedveil.experiments.polifl.run_polifl`); prints each strategy's final
-  metric, each group's epsilon and whether its model was released; resumable in its output folder.
+- ``fedveil polifl run CONFIG [--out DIR] [--strategies S,...] [--rounds R] [--json] [--resume |
+  --overwrite]``: the compliance strategies of Sec. 6 (cascaded, combined, single group) with per-group
+  DP and policy enforcement on devices and server (:func:`fedveil.experiments.polifl.run_polifl`);
+  prints each strategy's final metric, each group's epsilon and whether its model was released;
+  ``--resume`` continues the run in its output folder.
 - ``fedveil polifl table4 [--json]``: Table 4 recomputed under two readings of its columns beside the
   paper's figures (:func:`fedveil.experiments.polifl_table4.table4`).
 - ``fedveil polifl scale [--devices N] [--rounds R] [--tasks text,images,mpu] [--tte-scale F]
@@ -24,6 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fedveil.experiments.checkpoint import add_run_dir_arguments
+
 
 def register(subparsers: Any) -> None:
     """Add the ``polifl`` command with its ``run``, ``table4``, ``scale`` and ``agent`` actions."""
@@ -31,7 +34,8 @@ def register(subparsers: Any) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = actions.add_parser("run", help="cascaded / combined / single-group training with per-group epsilon")
     r.add_argument("config", type=Path, help="YAML settings, e.g. configs/polifl/small.yaml")
-    r.add_argument("--out", type=Path, help="output folder (default runs/<name>); a rerun resumes there")
+    r.add_argument("--out", type=Path, help="output folder (default runs/<name>)")
+    add_run_dir_arguments(r)
     r.add_argument("--strategies", help="comma-separated strategies (default: the config's)")
     r.add_argument("--rounds", type=int, help="rounds per group stage (default: the config's)")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
@@ -98,7 +102,14 @@ def _run(args: argparse.Namespace) -> int:
         tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if args.strategies else None
     )
     out = args.out or Path("runs") / cfg.name
-    results = run_polifl(cfg, out, strategies=strategies, progress=not args.json)
+    results = run_polifl(
+        cfg,
+        out,
+        strategies=strategies,
+        progress=not args.json,
+        resume=args.resume,
+        overwrite=args.overwrite,
+    )
     if args.json:
         print(json.dumps(results, indent=2, default=str))
         return 0

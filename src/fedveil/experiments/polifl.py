@@ -15,9 +15,13 @@ stage's policies. A refused release is reported with the policy's reason and end
 model never leaves the server; a cascade cannot fine-tune a model it may not release).
 
 The run resumes: after each stage the strategy's state (model weights as ``.npz``, ledger, history,
-release outcome) is written to ``OUT/<strategy>/state.json`` + ``weights.npz``, and a rerun continues from
-the next stage; finished strategies are not run again. ``results.json`` and ``curves.png`` (the metric
-over rounds per strategy: Fig. 6/7's shape) are rewritten after every stage.
+release outcome) is written to ``OUT/<strategy>/state.json`` + ``weights.npz``, and a rerun with
+``resume`` continues from the next stage, under the same settings only (``OUT/config.json``); finished
+strategies are not run again. Without ``resume`` a folder that holds anything is refused, unless
+``overwrite`` clears it first. Ctrl-C stops at the end of the round in progress
+(:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`); its stage starts again on resume.
+``results.json`` and ``curves.png`` (the metric over rounds per strategy: Fig. 6/7's shape) are rewritten
+after every stage.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from tqdm import tqdm
 from fedveil.core.atomic import atomic_write
 from fedveil.core.communicator import Communicator
 from fedveil.core.provenance import code_identity
-from fedveil.errors import ConfigError
+from fedveil.errors import ConfigError, RunInterrupted
+from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
 from fedveil.experiments.config import build_dataclass, read_yaml_mapping
 from fedveil.experiments.plots import plot_series
 from fedveil.models.flat import FlatModel
@@ -527,9 +532,11 @@ class _Host:
         on_round: RoundHook | None = None,
         network: Network | None = None,
         deadline: float | None = None,
+        stop: StopAtRoundEnd | None = None,
     ) -> None:
         self.run, self.task, self.strategy, self.folder, self.progress = run, task, strategy, folder, progress
         self.dry, self.on_round, self.network, self.deadline = dry, on_round, network, deadline
+        self.stop = stop
         self.state_path = folder / "state.json"
         self.state = (
             _State(**json.loads(self.state_path.read_text())) if self.state_path.exists() else _State()
@@ -755,6 +762,8 @@ class _Host:
             self.state.history.append(line)
             if self.on_round is not None:
                 self.on_round(line, lambda: {g.name: self.ledger.epsilon(g.name) for g in groups})
+            if self.stop is not None and rnd < stage.rounds:
+                self.stop.check()  # the stage's last round ends in its saved state first
 
         started = time.perf_counter()
         stage_run = run_stage(
@@ -846,6 +855,7 @@ def run_strategy(
     on_round: RoundHook | None = None,
     network: Network | None = None,
     deadline: float | None = None,
+    stop: StopAtRoundEnd | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one strategy's global program in the sandbox; return its summary (module
     docstring). ``dry``: check the program against the groups' policies before anything trains: every
@@ -855,11 +865,21 @@ def run_strategy(
     ``on_round``: :data:`RoundHook`. ``network``: the devices are networked agents (:func:`network_task`)
     instead of the task's simulated ones. ``deadline`` (``time.monotonic()``): everything the program
     causes, its calls into the server included, ends by then, or
-    :class:`~fedveil.privacy.sandbox.DeadlineExceeded` is raised (the strategy is then not done)."""
+    :class:`~fedveil.privacy.sandbox.DeadlineExceeded` is raised (the strategy is then not done).
+    ``stop`` ends it at the end of a round after a Ctrl-C (the strategy is then not done either)."""
     folder = out / strategy.replace(":", "_")
     folder.mkdir(parents=True, exist_ok=True)
     host = _Host(
-        run, task, strategy, folder, progress, dry=dry, on_round=on_round, network=network, deadline=deadline
+        run,
+        task,
+        strategy,
+        folder,
+        progress,
+        dry=dry,
+        on_round=on_round,
+        network=network,
+        deadline=deadline,
+        stop=stop,
     )
     kind, _, single = strategy.partition(":")
     source = run.program if kind == "program" else STRATEGY_PROGRAMS[kind]
@@ -921,12 +941,19 @@ def _npz(weights: np.ndarray) -> bytes:
 
 
 def run_polifl(
-    run: PolifLRun, out: Path, *, strategies: tuple[str, ...] | None = None, progress: bool = True
+    run: PolifLRun,
+    out: Path,
+    *,
+    strategies: tuple[str, ...] | None = None,
+    progress: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Every strategy of ``run`` (or ``strategies``), resumable in ``out``; writes ``results.json`` and
-    ``curves.png`` there and returns the results."""
+    """Every strategy of ``run`` (or ``strategies``), resumable in ``out`` (``resume``); writes
+    ``results.json`` and ``curves.png`` there and returns the results (module docstring)."""
     torch.set_num_threads(run.threads)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_run_dir(out, resume=resume, overwrite=overwrite)
+    _claim_run_dir(out, run)
     task = build_task(run)
     chosen = strategies or run.strategies
     results: dict[str, Any] = {
@@ -939,21 +966,55 @@ def run_polifl(
         "groups": {g: len(m) for g, m in task.members.items()},
         "strategies": {},
     }
-    for strategy in chosen:
-        results["strategies"][strategy] = run_strategy(run, task, strategy, out, progress=progress)
-        atomic_write(out / "results.json", json.dumps(results, indent=1, default=_json).encode())
-        series = {
-            s: [(h["round"], h[task.metric]) for h in r["history"] if task.metric in h]
-            for s, r in results["strategies"].items()
-        }
-        plot_series(
-            series,
-            out / "curves.png",
-            title=f"PoliFL {run.task}: {task.metric} over rounds",
-            ylabel=task.metric,
-            smooth=1,
-        )
+    strategy = ""
+    try:
+        with StopAtRoundEnd(f"PoliFL run {run.name!r}") as stop:
+            for strategy in chosen:
+                results["strategies"][strategy] = run_strategy(
+                    run, task, strategy, out, progress=progress, stop=stop
+                )
+                atomic_write(out / "results.json", json.dumps(results, indent=1, default=_json).encode())
+                series = {
+                    s: [(h["round"], h[task.metric]) for h in r["history"] if task.metric in h]
+                    for s, r in results["strategies"].items()
+                }
+                plot_series(
+                    series,
+                    out / "curves.png",
+                    title=f"PoliFL {run.task}: {task.metric} over rounds",
+                    ylabel=task.metric,
+                    smooth=1,
+                )
+                stop.check()
+    except KeyboardInterrupt:
+        raise RunInterrupted(
+            f"PoliFL run {run.name!r} interrupted in strategy {strategy}; the stages it finished are kept in "
+            f"{out / strategy.replace(':', '_')}, and the stage it was in starts again from its first round"
+        ) from None
     return results
+
+
+def _claim_run_dir(out: Path, run: PolifLRun) -> None:
+    """Write ``out/config.json`` (the settings that decide the numbers), or refuse to continue a run
+    with other settings, or one that does not say which it has."""
+    settings = {k: v for k, v in asdict(run).items() if k not in ("threads", "strategies")}
+    mine = json.loads(json.dumps(settings, default=str))
+    path = out / "config.json"
+    if path.is_file():
+        theirs = json.loads(path.read_text(encoding="utf-8"))
+        if theirs != mine:
+            differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise ConfigError(
+                f"run directory {str(out)!r} holds a run with other settings ({', '.join(differ)}): resume "
+                "it with its own config, start afresh with --overwrite, or choose another --out"
+            )
+        return
+    if any(out.glob("*/state.json")):
+        raise ConfigError(
+            f"run directory {str(out)!r} holds strategy states but no config.json saying which settings "
+            "made them: start afresh with --overwrite, or choose another --out"
+        )
+    atomic_write(path, (json.dumps(mine, indent=1) + "\n").encode())
 
 
 def _json(value: Any) -> Any:

@@ -45,6 +45,7 @@ import json
 import multiprocessing
 import os
 import resource
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -247,6 +248,8 @@ def _child(
     cpu: int,
     conn: Any,
 ) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the caller's to act on
+
     def proxy(name: str) -> Callable[..., Any]:
         def call(*a: Any, **kw: Any) -> Any:
             conn.send_bytes(
