@@ -62,23 +62,20 @@ class PolicyViolation(FedveilError):
 
 def next_commands(policy: Policy) -> list[str]:
     """The command names (with the arguments the policy requires) that could come next: what a refusal
-    says the policy would have accepted."""
+    says the policy would have accepted (a walk with a stack: a policy's depth is no limit)."""
     found: set[str] = set()
-
-    def walk(p: Policy) -> None:
+    todo, seen = [policy], {id(policy)}
+    while todo:
+        p = todo.pop()
+        if p.kind == "not":
+            found.add("anything but " + show(p.parts[0]))
+            continue
         if p.kind == "cmd":
             found.add(show(p))
-        elif p.kind == "seq":
-            walk(p.parts[0])
-            if nullable(p.parts[0]):
-                walk(p.parts[1])
-        elif p.kind in ("or", "and", "star"):
-            for q in p.parts:
-                walk(q)
-        elif p.kind == "not":
-            found.add("anything but " + show(p.parts[0]))
-
-    walk(policy)
+        for q in p.parts[:1] if p.kind == "seq" and not nullable(p.parts[0]) else p.parts:
+            if id(q) not in seen:
+                seen.add(id(q))
+                todo.append(q)
     return sorted(found)
 
 
