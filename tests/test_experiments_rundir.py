@@ -13,7 +13,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,34 +169,38 @@ def test_a_run_killed_anywhere_in_a_round_resumes_to_the_uninterrupted_model(
 # --- Ctrl-C -----------------------------------------------------------------------------------------
 
 
-def _interruptible(cmd: list[str]) -> subprocess.Popen[str]:
-    """``cmd`` as a terminal starts it: SIGINT at its default (this process may have it ignored)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "fedveil.cli", *cmd],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-
-
-def interrupt(cmd: list[str], ready: Path, *, times: int = 1) -> tuple[int, str]:
-    """Start ``fedveil cmd``, wait for ``ready`` to exist, press Ctrl-C ``times`` times; (status, stderr)."""
-    proc = _interruptible(cmd)
+def interrupt(
+    cmd: list[str], ready: Path | Callable[[str], bool], *, times: int = 1, settle: float = 0.0
+) -> tuple[int, str]:
+    """Start ``fedveil cmd`` as a terminal starts it (SIGINT at its default: this process may have it
+    ignored), wait until ``ready`` exists (or ``ready(stderr so far)`` holds) and ``settle`` seconds
+    more, press Ctrl-C ``times`` times; (exit status, stderr)."""
+    err_path = Path(tempfile.mkstemp(prefix="fedveil-stderr-")[1])
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedveil.cli", *cmd],
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, f"no {ready} within 120 s"
+        while not (ready.exists() if isinstance(ready, Path) else ready(err_path.read_text())):
+            assert proc.poll() is None, err_path.read_text()
+            assert time.monotonic() < deadline, f"not ready within 120 s: {err_path.read_text()}"
             time.sleep(0.05)
+        time.sleep(settle)
         for _ in range(times):
             proc.send_signal(signal.SIGINT)
             time.sleep(0.05)
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+    err = err_path.read_text()
+    err_path.unlink()
     return proc.returncode, err
 
 
@@ -222,6 +228,100 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path: Path) -> No
     code, err = interrupt(cmd, out / "checkpoint.npz", times=2)
     assert code == 2 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "--resume" in err.strip().splitlines()[-1]
+
+
+PPFL = """
+name: tiny
+data: synthetic-fashion-mnist:600
+model: lenet
+clients: 3
+samples_per_client: 24
+test_samples: 60
+tee_mib: [64]
+threads: 1
+e2e: false
+ppfl: {rounds_per_stage: 100000, local_epochs: 1, batch_size: 8, lr: 0.05, eval_every: 1000}
+"""
+AIOT = """
+name: tiny
+size: 32
+width: 0.25
+public_identities: 20
+pretrain_epochs: 1
+private_identities: 12
+test_identities: 6
+wild: 2
+identities_per_device: 3
+rounds: 100000
+clients_per_round: 2
+batch_size: 4
+trials: 1
+methods: [pretrained, ours]
+threads: 1
+"""
+POLIFL = """
+name: tiny
+task: mpu
+clients: 12
+hidden: 4
+clients_per_round: 3
+batch_size: 16
+lr: 0.5
+clip_norm: 1.0
+groups:
+  - {name: loose, policy: "get_data . runFL . check_privacy_budget(max_eps=1e9) . return", noise: 1.0}
+strategies: ["single:loose"]
+rounds: 100000
+eval_every: 1000
+threads: 1
+"""
+FEDUV = ["--methods", "feduv", "--code-lengths", "127", "--writers", "4", "--unseen-writers", "2"]
+FEDUV += ["--train-examples", "3", "--width-divisor", "32", "--rounds", "100000", "--threads", "1"]
+
+
+def _system(tmp_path: Path, system: str) -> tuple[list[str], Path | Callable[[str], bool], float]:
+    """(``fedveil`` arguments, when the run is training, seconds to wait then) of a tiny run of
+    ``system`` whose rounds never end by themselves."""
+    out = str(tmp_path / "out")
+    config = tmp_path / "c.yaml"
+    if system == "ppfl":
+        config.write_text(PPFL)
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        after_a_round = lambda err: metrics.is_file() and bool(metrics.read_text())  # noqa: E731
+        return ["ppfl", "run", str(config), "--out", out, "--no-progress"], after_a_round, 0.0
+    if system == "aiot":
+        config.write_text(AIOT)
+        return ["aiot", "run", str(config), "--out", out], tmp_path / "out" / "results.json", 0.0
+    if system == "polifl":
+        config.write_text(POLIFL)
+        return ["polifl", "run", str(config), "--out", out], tmp_path / "out" / "single_loose", 1.0
+    return ["feduv", "run", *FEDUV, "--out", out, "--no-progress"], lambda err: "data:" in err, 2.0
+
+
+@pytest.mark.parametrize("system", ["ppfl", "aiot", "feduv", "polifl"])
+def test_each_system_refuses_a_used_run_directory_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], system: str
+) -> None:
+    cmd, _, _ = _system(tmp_path, system)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results.json").write_text("{}")
+    assert main(cmd) == 2
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "--resume" in err and "--overwrite" in err, err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["results.json"], "nothing was written"
+
+
+@pytest.mark.parametrize("system", ["ppfl", "aiot", "feduv", "polifl"])
+def test_ctrl_c_stops_each_system_at_the_end_of_a_round_with_the_command_that_continues(
+    tmp_path: Path, system: str
+) -> None:
+    cmd, ready, settle = _system(tmp_path, system)
+    code, err = interrupt(cmd, ready, settle=settle)
+    assert code == 2 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert "interrupted" in last and "again from" in last, "it says what is kept and what starts again"
+    assert last.endswith("continue with: " + shlex.join(["fedveil", *cmd, "--resume"])), last
+    assert "stops at the end of this round" in err, "the first Ctrl-C says what it does"
 
 
 # --- a full or read-only disk ---------------------------------------------------------------------------
