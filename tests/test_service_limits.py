@@ -111,6 +111,38 @@ def test_a_looping_global_program_fails_within_its_budget_while_the_service_answ
     assert any(f"job {r.json()['job']}:" in d and "deadline" in d for d in _events(app, "program failed"))
 
 
+def test_a_call_into_the_server_that_outlasts_the_check_does_not_hold_the_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedveil.experiments import polifl
+
+    build = polifl.build_task
+
+    def slow(*args: Any) -> Any:
+        time.sleep(5.0)  # a step of the check that cannot be interrupted (an accountant's long composition)
+        return build(*args)
+
+    app, token = _app(tmp_path, check_seconds=1.0, jobs_per_application=1)
+    monkeypatch.setattr(polifl, "build_task", slow)
+    with TestClient(app) as client:
+        started = time.monotonic()
+        r = client.post("/api/v1/jobs", json=_job(), headers=_auth(token))
+        assert time.monotonic() - started < 1.0 + 2.0 + 1.5
+        assert r.status_code == 422 and "a call into the server ran past the deadline" in r.json()["detail"]
+        assert (
+            client.get(f"/api/v1/jobs/{r.json()['job']}", headers=_auth(token)).json()["status"] == "failed"
+        )
+        # the application's slot stays taken until the lingering call has ended
+        assert client.post("/api/v1/jobs", json=_job(), headers=_auth(token)).status_code == 429
+        monkeypatch.undo()
+        give_up = time.monotonic() + 20
+        nowhere = _job(groups=[{"name": "nope"}])
+        while (r := client.post("/api/v1/jobs", json=nowhere, headers=_auth(token))).status_code == 429:
+            assert time.monotonic() < give_up
+            time.sleep(0.5)
+        assert r.status_code == 404 and "no group 'nope'" in r.json()["detail"]
+
+
 def test_a_job_whose_run_outlasts_its_budget_fails_with_an_audit_event(tmp_path: Path) -> None:
     app, token = _app(tmp_path, run_jobs=True, job_seconds=8.0, check_seconds=6.0)
     job = _job(groups=[{"name": "gr2"}], hyper={"rounds": 5000, "clients_per_round": 2, "hidden": 8})

@@ -167,6 +167,11 @@ class Invalid(BaseModel):
     job: int | None = None
 
 
+CHECK_GRACE_SECONDS = 2.0
+"""How long past its check's budget a submission waits for the check to stop by itself before it answers
+that the check ran out of time (a call into the server that outlasts the deadline ends on its own)."""
+
+
 def _digits(value: Any) -> Any:
     """An id in a path is written in digits only (``1.0``, ``+1``, ``1e0`` are not ids)."""
     if isinstance(value, str) and not (value.isascii() and value.isdigit()):
@@ -480,28 +485,54 @@ def create_app(settings: ServiceSettings) -> FastAPI:
                 "application; retry later"
             )
             return JSONResponse({"detail": detail}, status_code=429, headers=_retry_after(wait))
-        try:
-            return checked_job(job, app_id)
-        finally:
-            limits.leave(app_id)
+        seconds = min(settings.check_seconds, settings.job_seconds)
+        result: dict[str, Any] = {}
+        finished = threading.Event()
+        parties = [2]  # the check and this request: the application's slot is freed when both are done
+        lock = threading.Lock()
 
-    def checked_job(job: JobRequest, app_id: int) -> Any:
-        """Check ``job`` within its budget, store it and queue it, or store and answer its refusal."""
-        refused: Refused | None = None
-        plan = None
+        def done() -> None:
+            with lock:
+                parties[0] -= 1
+                if parties[0] == 0:
+                    limits.leave(app_id)
+
+        def check() -> None:
+            try:
+                result["plan"] = validate(
+                    engine,
+                    settings.population,
+                    app_id,
+                    job,
+                    program_seconds=settings.program_seconds,
+                    seconds=seconds,
+                )
+            except Refused as exc:
+                result["refused"] = exc
+            except FedveilError as exc:
+                result["refused"] = Refused(str(exc), 422)
+            finally:
+                finished.set()
+                done()
+
+        # the check runs beside this request, which answers by the deadline even if one call into the
+        # server outlasts it; the application's slot stays taken until that call has ended too
+        threading.Thread(target=check, name=f"fedveil-check-app{app_id}", daemon=True).start()
         try:
-            plan = validate(
-                engine,
-                settings.population,
-                app_id,
-                job,
-                program_seconds=settings.program_seconds,
-                seconds=min(settings.check_seconds, settings.job_seconds),
+            if finished.wait(seconds + CHECK_GRACE_SECONDS):
+                return stored_job(job, app_id, result.get("plan"), result.get("refused"))
+            late = Refused(
+                f"checking the job took longer than its {seconds} s: a call into the server ran past the "
+                "deadline; ask for fewer rounds or more noise",
+                422,
+                program_failed=True,
             )
-        except Refused as exc:
-            refused = exc
-        except FedveilError as exc:
-            refused = Refused(str(exc), 422)
+            return stored_job(job, app_id, None, late)
+        finally:
+            done()
+
+    def stored_job(job: JobRequest, app_id: int, plan: dict[str, Any] | None, refused: Refused | None) -> Any:
+        """Store a checked ``job`` and queue it, or store and answer its refusal."""
         status = "queued" if refused is None else ("failed" if refused.program_failed else "refused")
         outcome = None if refused is None else json.dumps({"released": False, "reason": str(refused)})
         with engine.begin() as conn:
