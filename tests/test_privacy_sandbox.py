@@ -175,3 +175,38 @@ def test_host_errors_reach_the_program_and_host_time_is_not_program_time() -> No
         )
         == 1
     )
+
+
+def test_a_deadline_counts_host_calls_and_a_program_cannot_catch_it() -> None:
+    import time as clock
+
+    from fedveil.privacy.pairs import PolicyViolation
+    from fedveil.privacy.sandbox import DeadlineExceeded, check_deadline
+
+    def refuse(pair: DataPolicyPair) -> None:
+        clock.sleep(0.2)
+        raise PolicyViolation("refused")
+
+    looping = (
+        "def main(p):\n    while True:\n        try:\n            refuse(p)\n"
+        "        except Exception:\n            pass\n"
+    )
+    started = clock.monotonic()
+    with pytest.raises(DeadlineExceeded, match="ran past its deadline"):
+        run_program(
+            compile_program(looping), "main", _pair(), host={"refuse": refuse}, deadline=started + 1.5
+        )
+    assert clock.monotonic() - started < 1.5 + 1.0  # without the deadline: the 10 s time_limit never comes
+
+    deadline = clock.monotonic() + 0.5
+
+    def stops(pair: DataPolicyPair) -> int:  # a long host call that checks the deadline as it works
+        while True:
+            check_deadline(deadline, "stops")
+            clock.sleep(0.05)
+
+    catching = (
+        "def main(p):\n    try:\n        return stops(p)\n    except Exception:\n        return 'caught'\n"
+    )
+    with pytest.raises(DeadlineExceeded, match="stops ran past its deadline"):
+        run_program(compile_program(catching), "main", _pair(), host={"stops": stops}, deadline=deadline)
