@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from fedveil.errors import ConfigError
-from fedveil.experiments.config import config_to_dict, load_config, parse_overrides
+from fedveil.experiments.config import config_to_dict, effective_overrides, load_config, parse_overrides
 
 ROOT = Path(__file__).parents[1] / "configs"
 CONFIGS = sorted([*ROOT.glob("*.yaml"), *(ROOT / "fdml").glob("*.yaml")])
@@ -134,3 +134,15 @@ def test_the_upload_norm_bound_is_a_finite_positive_number() -> None:
             load_config(None, [f"fdml.max_upload_norm={value}"])
     with pytest.raises(ConfigError, match=r"fedavg\.max_upload_norm"):
         load_config(None, ["protocol=fedavg", "fedavg.max_upload_norm=0"])
+
+
+def test_a_file_key_its_own_setting_ignores_is_refused_but_an_override_may_switch_the_setting(
+    tmp_path: Path,
+) -> None:
+    path = _write(tmp_path, {"protocol": "fdml", "fedavg": {"lr": 0.5}})
+    with pytest.raises(ConfigError, match=r"fedavg\.lr=0\.5 has no effect: protocol is 'fdml'"):
+        load_config(path, refuse_ignored=True)
+    fdml_file = ROOT / "table1_fdml.yaml"  # its fdml: section is moot once protocol=fedavg is asked for
+    assert load_config(fdml_file, ["protocol=fedavg"], refuse_ignored=True).protocol == "fedavg"
+    items = ["protocol=fedavg", "fdml.lr=0.5", "fedavg.lr=0.5"]
+    assert effective_overrides(fdml_file, items) == ["protocol=fedavg", "fedavg.lr=0.5"]

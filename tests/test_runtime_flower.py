@@ -37,7 +37,7 @@ pytest.importorskip(
 from flwr.app import ConfigRecord, Context, RecordDict
 
 from fedveil.errors import ConfigError
-from fedveil.experiments.config import config_to_dict, load_config
+from fedveil.experiments.config import config_to_dict, effective_overrides, load_config
 from fedveil.protocols.messages import Register, RegistrationCall
 from fedveil.runtime import flower
 from test_experiments_runner import SMALL as RUNNER_SMALL
@@ -55,7 +55,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_TELEMETRY_ENABLED": "0"}
 
 
 def _sets(overrides: list[str]) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
+    """``--set`` arguments of the ``overrides`` a run of table1_fdml.yaml reads (it refuses the others)."""
+    used = effective_overrides(ROOT / "configs/table1_fdml.yaml", overrides)
+    return [arg for o in used for arg in ("--set", o)]
 
 
 def _fedveil(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:

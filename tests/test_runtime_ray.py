@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fedveil.errors import ConfigError
-from fedveil.experiments.config import load_config
+from fedveil.experiments.config import effective_overrides, load_config
 from fedveil.experiments.runner import RayPlan, build_population, build_trainer
 from fedveil.runtime.ray import connect
 from test_experiments_runner import SMALL as RUNNER_SMALL
@@ -111,11 +111,12 @@ def test_a_ray_address_that_does_not_answer_is_refused_quickly() -> None:
 def test_fedveil_run_on_ray(tmp_path: Path) -> None:
     ray.shutdown()  # the command starts its own local cluster
     try:
-        args = ["--set", "rounds=2", "--set", "eval.every=2", "--set", "name=r"]
-        args += [x for kv in SMALL if "latency" not in kv for x in ("--set", kv)]
+        items = ["protocol=fdml", "rounds=2", "eval.every=2", "name=r"]
+        items += [kv for kv in SMALL if "latency" not in kv]
+        args = [x for kv in effective_overrides(_config()[0], items) for x in ("--set", kv)]
         command = [sys.executable, "-m", "fedveil", "run", *_config(), "--runtime", "ray", "--actors", "2"]
         result = subprocess.run(
-            [*command, "--out", str(tmp_path), "--no-progress", "--set", "protocol=fdml", *args],
+            [*command, "--out", str(tmp_path), "--no-progress", *args],
             capture_output=True,
             text=True,
             timeout=300,

@@ -370,12 +370,20 @@ def load_config(
     """Load, override and validate an experiment config (``path=None`` starts from the defaults).
 
     ``refuse_ignored`` (the commands that train) also refuses a key the chosen setting does not use
-    (:func:`ignored_keys`: it would have no effect) and a ``data.path`` that does not exist."""
-    raw: dict[str, Any] = {} if path is None else read_yaml_mapping(path)
-    raw = _merge(raw, parse_overrides(overrides))
+    (:func:`ignored_keys`: it would have no effect) and a ``data.path`` that does not exist: an override
+    the final config ignores, or a key of the file that the file's own setting ignores (a file key made
+    moot by an override that changes the setting, e.g. ``--set protocol=fedavg`` on an FDML config, is
+    the override's intent)."""
+    file_raw: dict[str, Any] = {} if path is None else read_yaml_mapping(path)
+    given = parse_overrides(overrides)
+    raw = _merge(file_raw, given)
     cfg = _build(ExperimentConfig, raw)
     if refuse_ignored:
-        ignored = ignored_keys(cfg, raw)
+        try:
+            as_filed = _build(ExperimentConfig, file_raw)
+        except ConfigError:  # the file needs its overrides to be a config at all
+            as_filed = cfg
+        ignored = ignored_keys(as_filed, file_raw) + ignored_keys(cfg, given)
         if ignored:
             raise ConfigError(
                 f"{'; '.join(ignored)}: remove {'it' if len(ignored) == 1 else 'them'}, or change the "
@@ -384,6 +392,13 @@ def load_config(
         if cfg.data.path is not None and not Path(cfg.data.path).exists():
             raise ConfigError(f"data.path: {cfg.data.path!r} does not exist (data.kind {cfg.data.kind!r})")
     return cfg
+
+
+def effective_overrides(path: str | Path | None, overrides: Sequence[str]) -> list[str]:
+    """Those of ``overrides`` that the config at ``path`` with all of them reads (the others have no
+    effect there): one list of overrides can then serve runs of different settings."""
+    cfg = load_config(path, overrides)
+    return [item for item in overrides if not ignored_keys(cfg, parse_overrides([item]))]
 
 
 def _dotted(raw: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

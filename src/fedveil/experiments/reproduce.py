@@ -177,16 +177,9 @@ def _overrides_per_cell(
     serves tables that mix protocols (``fdml.*`` is not passed to an FL-traditional cell, whose
     ``fedveil run`` would refuse it as a key without effect); a key a cell does not know is still
     refused, by that cell's run."""
-    from fedveil.experiments.config import ignored_keys, load_config, parse_overrides
+    from fedveil.experiments.config import effective_overrides
 
-    def reads(cfg: Any, item: str) -> bool:
-        return not ignored_keys(cfg, parse_overrides([item]))
-
-    kept = {}
-    for cell in cells:
-        cfg = load_config(cfg_dir / cell.config, overrides)
-        kept[cell.config] = [item for item in overrides if reads(cfg, item)]
-    return kept
+    return {cell.config: effective_overrides(cfg_dir / cell.config, overrides) for cell in cells}
 
 
 def seed_dirs(base: Path, cell: Cell, seeds: int) -> list[Path]:
