@@ -9,7 +9,13 @@ import pytest
 
 from fedveil.privacy.pairs import DataPolicyPair, Side, apply
 from fedveil.privacy.policy import parse, show
-from fedveil.privacy.sandbox import SandboxError, compile_program, run_program
+from fedveil.privacy.sandbox import (
+    DENIED_ATTRIBUTES,
+    SandboxError,
+    _guarded_getattr,
+    compile_program,
+    run_program,
+)
 
 SECRET = 987654321.0
 
@@ -90,9 +96,12 @@ def test_bench_policy(capsys: pytest.CaptureFixture[str]) -> None:
 
     from fedveil.cli import main
 
-    assert main(["bench", "policy", "--repeats", "20", "--sandbox-runs", "2", "--json"]) == 0
+    bench = ["bench", "policy", "--repeats", "20", "--sandbox-runs", "2", "--union", "200", "--json"]
+    assert main(bench) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["advance_microseconds_median"] > 0 and row["sandbox_run_milliseconds_median"] > 0
+    assert row["union_alternatives"] == 200 and row["union_verdict_allowed"] is True
+    assert row["union_parse_seconds"] > 0 and row["union_characters"] > 200 * 20
     assert main(["bench", "policy", "--repeats", "0"]) == 2
 
 
@@ -210,3 +219,82 @@ def test_a_deadline_counts_host_calls_and_a_program_cannot_catch_it() -> None:
     )
     with pytest.raises(DeadlineExceeded, match="stops ran past its deadline"):
         run_program(compile_program(catching), "main", _pair(), host={"stops": stops}, deadline=deadline)
+
+
+# --- limits: deep syntax trees, long sources, large and deep results, memory- and file-exposing attributes
+
+
+@pytest.mark.parametrize(
+    ("source", "limit"),
+    [
+        ("def main():\n    return " + "1+" * 25_000 + "1\n", "syntax tree is deeper than .* limit of 100"),
+        ("def main():\n    return " + "-" * 50_000 + "1\n", "syntax tree is deeper than .* limit of 100"),
+        ("def main(p):\n    return p" + ".b" * 40_000 + "\n", "syntax tree is deeper than .* limit of 100"),
+        ("def main(a):\n    return " + "a+" * 150 + "1\n", "syntax tree is deeper than .* limit of 100"),
+        ("def main(p):\n    return p" + ".b" * 50_000 + "\n", "over the sandbox's limit of 100000"),
+        ("x = 1\n" * 20_000, "over the sandbox's limit of 100000"),
+    ],
+    ids=["25000 additions", "50000 negations", "40000 attributes", "150 additions", "long", "many lines"],
+)
+def test_a_too_deep_or_too_long_program_is_refused_by_the_sandbox(source: str, limit: str) -> None:
+    with pytest.raises(SandboxError, match=limit):
+        compile_program(source, "deep")
+
+
+def test_a_program_within_the_depth_limit_compiles() -> None:
+    program = compile_program("def main(a):\n    return " + "a+" * 80 + "1\n", "sum")
+    assert run_program(program, "main", 1) == 81
+
+
+def test_a_result_over_the_message_limit_is_refused_by_the_sandbox() -> None:
+    """The child measures its result before sending it (the pipe would fail with 'bad message length')."""
+    big = compile_program("def main():\n    return 'x' * (70 << 20)\n", "big")
+    with pytest.raises(
+        SandboxError, match=r"its result is \d+ bytes encoded, over the sandbox's limit of 67108864"
+    ):
+        run_program(big, "main", time_limit=20)
+
+
+def test_a_message_over_the_limit_is_refused_on_receipt_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller reads at most MAX_MESSAGE_BYTES whatever the child sends (here the caller's limit is
+    lowered below what the child, with its own limit, sends)."""
+    from fedveil.privacy import sandbox
+
+    monkeypatch.setattr(sandbox, "MAX_MESSAGE_BYTES", 1000)
+    with pytest.raises(SandboxError, match="sent a message over the sandbox's limit of 1000 bytes"):
+        run_program(compile_program("def main():\n    return 'x' * 5000\n", "long"), "main")
+
+
+def test_values_nested_too_deep_are_refused_by_the_sandbox() -> None:
+    nested = "def main():\n    v = []\n    for i in range(600):\n        v = [v]\n    return v\n"
+    with pytest.raises(SandboxError, match="deeper than the sandbox's limit of 100"):
+        run_program(compile_program(nested, "nested"), "main")
+    deep: list[object] = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(SandboxError, match="deeper than the sandbox's limit of 100"):
+        run_program(compile_program("def main(v):\n    return 1\n"), "main", deep)
+
+
+@pytest.mark.parametrize("name", sorted(DENIED_ATTRIBUTES))
+def test_memory_and_file_attributes_are_denied_on_every_object(name: str) -> None:
+    for obj in (np.ones(2), [1], "text"):
+        with pytest.raises(SandboxError, match=f"attribute '{name}' is not available to programs"):
+            _guarded_getattr(obj, name)
+
+
+def test_a_program_cannot_reach_an_arrays_memory_or_files() -> None:
+    """Each attribute tried in the sandbox itself, on an array the program was given: all refused by the
+    guard (not by a missing ``__import__``), the program seeing the refusal."""
+    names = sorted(n for n in DENIED_ATTRIBUTES if not n.startswith("_"))
+    tries = "".join(
+        f"    try:\n        out.append(a.{n})\n    except Exception as e:\n        out.append(str(e))\n"
+        for n in names
+    )
+    program = compile_program("def main(a):\n    out = []\n" + tries + "    return out\n", "peek")
+    out = run_program(program, "main", np.ones(4))
+    assert out == [
+        f"attribute '{n}' is not available to programs (it exposes memory or files)" for n in names
+    ]
+    with pytest.raises(SandboxError, match="'ctypes' is not available"):
+        run_program(compile_program("def main(a):\n    return a.ctypes.data\n"), "main", np.ones(4))

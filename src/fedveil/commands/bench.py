@@ -411,6 +411,9 @@ def _add_policy(sub: Any) -> None:
     p = sub.add_parser("policy", help="PoliFL policy advance (us) and sandbox compile / run cost")
     p.add_argument("--repeats", type=int, default=2000, help="timed policy advances (default 2000)")
     p.add_argument("--sandbox-runs", type=int, default=20, help="timed sandboxed runs (default 20)")
+    p.add_argument(
+        "--union", type=int, default=20_000, help="alternatives of the large policy parsed (default 20000)"
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(bench_func=_run_policy)
 
@@ -418,8 +421,8 @@ def _add_policy(sub: Any) -> None:
 def _run_policy(args: argparse.Namespace) -> int:
     from fedveil.experiments.bench_policy import bench_policy
 
-    _require_positive(args, "repeats", "sandbox_runs")
-    row = bench_policy(repeats=args.repeats, sandbox_runs=args.sandbox_runs)
+    _require_positive(args, "repeats", "sandbox_runs", "union")
+    row = bench_policy(repeats=args.repeats, sandbox_runs=args.sandbox_runs, union=args.union)
     if args.json:
         print(json.dumps(row, indent=2))
         return 0
@@ -428,7 +431,9 @@ def _run_policy(args: argparse.Namespace) -> int:
         f"{row['sandbox_compile_milliseconds']:.1f} ms, run {row['sandbox_run_milliseconds_median']:.1f} ms "
         f"against {row['direct_call_microseconds_median']:.1f} us called directly; trusted filter "
         f"{row['library_filter_microseconds_median']:.1f} us against "
-        f"{row['direct_filter_microseconds_median']:.1f} us for the zeroing alone"
+        f"{row['direct_filter_microseconds_median']:.1f} us for the zeroing alone; a union of "
+        f"{row['union_alternatives']} alternatives parses in {row['union_parse_seconds']:.3f} s, "
+        f"a verdict on it takes {row['union_verdict_seconds'] * 1e3:.1f} ms"
     )
     return 0
 

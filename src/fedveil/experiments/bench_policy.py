@@ -4,6 +4,9 @@
   sum's policy of an accumulation (intersected with a new local model's policy and advanced), each time
   on a fresh state (the memoised derivative cache cleared, so the figure is the computation, not a
   lookup);
+- a large policy: parsing a union of 20,000 alternatives (``get_data(group=0) . runFL + ...``, about
+  600,000 characters; the parser is linear, a few tenths of a second), reading the same text again (the
+  parsed policy is kept) and a verdict on it (one group's ``get_data`` then ``runFL``);
 - the sandbox: compiling a small program with RestrictedPython, and running it (a forked child per run)
   against calling the same function directly;
 - a trusted library function against the computation it wraps: ``filter(sensors=['mic','loc'])`` on one
@@ -18,7 +21,7 @@ import time
 from typing import Any
 
 from fedveil.privacy.pairs import DataPolicyPair, Side, apply
-from fedveil.privacy.policy import Call, advance, derivative, inter, nullable, parse
+from fedveil.privacy.policy import Call, advance, allows, derivative, forget_parsed, inter, parse
 from fedveil.privacy.sandbox import compile_program, run_program
 
 __all__ = ["bench_policy"]
@@ -54,8 +57,35 @@ def _library_overhead(repeats: int) -> dict[str, float]:
     }
 
 
-def bench_policy(*, repeats: int = 2000, sandbox_runs: int = 20) -> dict[str, Any]:
-    """Microseconds per policy advance and per sandbox call (module docstring)."""
+def _large_union(alternatives: int) -> dict[str, Any]:
+    """Seconds to parse a union of ``alternatives`` alternatives (wall clock and this process's CPU
+    time), to read it again and to decide one command sequence on it."""
+    text = " + ".join(f"get_data(group={i}) . runFL" for i in range(alternatives))
+    forget_parsed()
+    derivative.cache_clear()
+    start, cpu = time.perf_counter(), time.process_time()
+    policy = parse(text)
+    parse_seconds, parse_cpu = time.perf_counter() - start, time.process_time() - cpu
+    start = time.perf_counter()
+    parse(text)
+    again_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    allowed = allows(policy, [Call.of("get_data", {"group": alternatives // 2}), Call.of("runFL")])
+    verdict_seconds = time.perf_counter() - start
+    return {
+        "union_alternatives": alternatives,
+        "union_characters": len(text),
+        "union_parse_seconds": parse_seconds,
+        "union_parse_cpu_seconds": parse_cpu,
+        "union_parse_again_seconds": again_seconds,
+        "union_verdict_seconds": verdict_seconds,
+        "union_verdict_allowed": allowed,
+    }
+
+
+def bench_policy(*, repeats: int = 2000, sandbox_runs: int = 20, union: int = 20_000) -> dict[str, Any]:
+    """Microseconds per policy advance and per sandbox call, seconds for a ``union``-alternative policy
+    (module docstring)."""
     policy = parse(FL)
     local = advance(policy, [Call.of("get_data"), Call.of("train_local")])
     accumulate = Call.of("accumulate")
@@ -63,7 +93,6 @@ def bench_policy(*, repeats: int = 2000, sandbox_runs: int = 20) -> dict[str, An
     running = local
     for _ in range(repeats):
         derivative.cache_clear()
-        nullable.cache_clear()
         start = time.perf_counter()
         running = derivative(inter(running, local), accumulate)
         times.append(time.perf_counter() - start)
@@ -88,4 +117,5 @@ def bench_policy(*, repeats: int = 2000, sandbox_runs: int = 20) -> dict[str, An
         "direct_call_microseconds_median": 1e6 * statistics.median(direct),
         "sandbox_runs": sandbox_runs,
         **_library_overhead(max(1, repeats // 10)),
+        **_large_union(union),
     }

@@ -27,6 +27,14 @@ that runs gRPC's threads (the service, a device agent) cannot be forked safely. 
 our own child; nothing the program produces is unpickled. :func:`preload` names library modules the fork
 server imports once.
 
+**Limits, each a :class:`SandboxError` naming it.** A source over :data:`MAX_SOURCE_CHARS` characters or
+with a syntax tree deeper than :data:`MAX_AST_DEPTH` levels is refused before RestrictedPython walks it
+(its checks recurse on the tree). A result or host call over :data:`MAX_MESSAGE_BYTES` bytes (JSON) is
+refused by the child before it is sent, and the caller never reads more; lists and dicts nested deeper
+than :data:`MAX_VALUE_DEPTH` do not travel either way. The attributes of :data:`DENIED_ATTRIBUTES`
+(an array's ``ctypes``, ``data``, ``base``, ``tofile``, ``dump``, ...) are refused on every object by
+the attribute guard: they expose process memory or write files.
+
 **Host functions.** A job's global program runs on the server but must not hold the server's pairs:
 with ``host=`` the named functions run in the caller's process, the program calls them through the pipe,
 and every pair stays with the caller; the program holds a :class:`Handle` (an opaque reference and the
@@ -39,6 +47,7 @@ bugs in the trusted library or in RestrictedPython itself: the library functions
 
 from __future__ import annotations
 
+import ast
 import base64
 import builtins
 import json
@@ -62,6 +71,11 @@ from fedveil.privacy.policy import Policy, parse, show
 
 __all__ = [
     "BUILTINS",
+    "DENIED_ATTRIBUTES",
+    "MAX_AST_DEPTH",
+    "MAX_MESSAGE_BYTES",
+    "MAX_SOURCE_CHARS",
+    "MAX_VALUE_DEPTH",
     "DeadlineExceeded",
     "Handle",
     "HostError",
@@ -119,6 +133,29 @@ _INTROSPECTION = {
     "func_globals", "func_code", "im_func", "im_self", "mro", "format", "format_map",
 }  # fmt: skip
 
+DENIED_ATTRIBUTES = frozenset({
+    "ctypes", "data", "base", "tofile", "dump", "dumps", "setflags",
+    "__array_interface__", "__array_struct__", "__array__", "__dlpack__",
+    "data_ptr", "storage", "untyped_storage", "share_memory_",
+})  # fmt: skip
+"""Attributes refused on every object because, on arrays and tensors, they expose process memory (an
+address: ``ctypes``, ``data_ptr``, ``__array_interface__``; the buffer or the object it views: ``data``,
+``base``, ``storage``), write files (``tofile``, ``dump``, ``share_memory_``), pickle (``dumps``) or
+unlock read-only memory for writing (``setflags``)."""
+
+MAX_SOURCE_CHARS = 100_000
+"""The longest program source :func:`compile_program` accepts, in characters."""
+
+MAX_AST_DEPTH = 100
+"""The deepest syntax tree :func:`compile_program` accepts (``return 1+1+...+1`` with 95 terms is about
+100 levels deep; RestrictedPython's checks recurse on the tree)."""
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest message between a program and its caller (its result, a host call, JSON-encoded)."""
+
+MAX_VALUE_DEPTH = 100
+"""The deepest nesting of lists and dicts in a value passed to or from a program."""
+
 
 class Handle:
     """What a program holds of a pair that stays with its host (:func:`run_program`'s ``host``): an
@@ -135,6 +172,8 @@ class Handle:
 
 
 def _guarded_getattr(obj: Any, name: str, default: Any = None) -> Any:
+    if name in DENIED_ATTRIBUTES:
+        raise SandboxError(f"attribute {name!r} is not available to programs (it exposes memory or files)")
     if name.startswith("_") or name in _INTROSPECTION or name.startswith("co_"):
         raise SandboxError(f"attribute {name!r} is not available to programs")
     if isinstance(obj, (DataPolicyPair, Handle)) and name != "policy":
@@ -165,20 +204,54 @@ def preload(module: str) -> None:
     _PRELOAD.add(module)
 
 
+def _tree_depth(tree: ast.AST) -> int:
+    """The depth of a syntax tree (a stack, no recursion)."""
+    deepest, todo = 0, [(tree, 1)]
+    while todo:
+        node, depth = todo.pop()
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
 def compile_program(source: str, name: str = "program") -> Program:
-    """Compile ``source`` with RestrictedPython; refusals become one :class:`SandboxError` listing them."""
+    """Compile ``source`` with RestrictedPython; refusals become one :class:`SandboxError` listing them.
+    A source over :data:`MAX_SOURCE_CHARS` characters, or whose syntax tree is deeper than
+    :data:`MAX_AST_DEPTH` levels (checked before RestrictedPython walks it), is a :class:`SandboxError`
+    naming the limit."""
     if not isinstance(source, str):
         raise SandboxError(f"program {name} must be Python source text")
-    result = compile_restricted_exec(source, filename=f"<{name}>")
+    if len(source) > MAX_SOURCE_CHARS:
+        raise SandboxError(
+            f"program {name} is {len(source)} characters, over the sandbox's limit of {MAX_SOURCE_CHARS}"
+        )
+    too_deep = SandboxError(
+        f"program {name} refused: its syntax tree is deeper than the sandbox's limit of {MAX_AST_DEPTH} "
+        "levels (split long expressions into statements)"
+    )
+    try:
+        tree = ast.parse(source, filename=f"<{name}>")
+    except SyntaxError:
+        tree = None  # RestrictedPython reports it in its own words below
+    except (RecursionError, MemoryError):  # CPython's parser gives up on very deep nesting
+        raise too_deep from None
+    if tree is not None and _tree_depth(tree) > MAX_AST_DEPTH:
+        raise too_deep
+    result = compile_restricted_exec(source if tree is None else tree, filename=f"<{name}>")
     if result.errors or result.code is None:
         raise SandboxError(f"program {name} refused: " + "; ".join(result.errors or ("no code",)))
     return Program(name, result.code, source)
 
 
-def _encode(value: Any, table: dict[int, DataPolicyPair] | None = None) -> Any:
+def _encode(value: Any, table: dict[int, DataPolicyPair] | None = None, depth: int = 0) -> Any:
     """A value as tagged JSON-safe data: every value is a ``[tag, ...]`` list, so no value a program
     builds (a dict with a key ``"pair"``, say) can be read back as a pair or an array. With ``table``
-    (the host's side) a pair is registered there and travels as a handle, without its value."""
+    (the host's side) a pair is registered there and travels as a handle, without its value. Lists and
+    dicts nested deeper than :data:`MAX_VALUE_DEPTH` are a :class:`SandboxError`."""
+    if depth > MAX_VALUE_DEPTH:
+        raise SandboxError(
+            f"a value nests lists or dicts deeper than the sandbox's limit of {MAX_VALUE_DEPTH}"
+        )
     if isinstance(value, Handle):
         return ["handle", value.ref, show(value.policy)]
     if isinstance(value, DataPolicyPair) and table is not None:
@@ -186,7 +259,7 @@ def _encode(value: Any, table: dict[int, DataPolicyPair] | None = None) -> Any:
         table[ref] = value
         return ["handle", ref, show(value.policy)]
     if isinstance(value, DataPolicyPair):
-        return ["pair", show(value.policy), _encode(value._value())]
+        return ["pair", show(value.policy), _encode(value._value(), None, depth + 1)]
     if isinstance(value, Policy):
         return ["policy", show(value)]
     if isinstance(value, np.ndarray):
@@ -200,9 +273,9 @@ def _encode(value: Any, table: dict[int, DataPolicyPair] | None = None) -> Any:
             base64.b64encode(data.tobytes()).decode(),
         ]
     if isinstance(value, (list, tuple)):
-        return ["list", [_encode(v, table) for v in value]]
+        return ["list", [_encode(v, table, depth + 1) for v in value]]
     if isinstance(value, dict):
-        return ["dict", [[str(k), _encode(v, table)] for k, v in value.items()]]
+        return ["dict", [[str(k), _encode(v, table, depth + 1)] for k, v in value.items()]]
     if value is None or isinstance(value, (bool, int, float, str)):
         return ["value", value]
     raise TypeError(
@@ -238,6 +311,30 @@ def _decode(value: Any, table: dict[int, DataPolicyPair] | None = None) -> Any:
     return value[1]
 
 
+def _message(payload: dict[str, Any], what: str) -> bytes:
+    """``payload`` as one message, or a :class:`SandboxError` naming :data:`MAX_MESSAGE_BYTES` when
+    ``what`` is larger."""
+    data = json.dumps(payload).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise SandboxError(
+            f"{what} is {len(data)} bytes encoded, over the sandbox's limit of {MAX_MESSAGE_BYTES} bytes"
+        )
+    return data
+
+
+def _receive(conn: Any, name: str) -> dict[str, Any]:
+    """The next message from program ``name``'s child; one over :data:`MAX_MESSAGE_BYTES` (which the
+    child refuses to send) or one that does not decode is a :class:`SandboxError`."""
+    try:
+        return json.loads(conn.recv_bytes(MAX_MESSAGE_BYTES).decode())
+    except OSError:  # multiprocessing's "bad message length"
+        raise SandboxError(
+            f"program {name} sent a message over the sandbox's limit of {MAX_MESSAGE_BYTES} bytes"
+        ) from None
+    except (ValueError, RecursionError):
+        raise SandboxError(f"program {name} sent a message that does not decode") from None
+
+
 def _child(
     program: Program,
     entry: str,
@@ -253,7 +350,7 @@ def _child(
     def proxy(name: str) -> Callable[..., Any]:
         def call(*a: Any, **kw: Any) -> Any:
             conn.send_bytes(
-                json.dumps({"call": name, "args": _encode(list(a)), "kwargs": _encode(kw)}).encode()
+                _message({"call": name, "args": _encode(list(a)), "kwargs": _encode(kw)}, f"a call of {name}")
             )
             reply = json.loads(conn.recv_bytes().decode())
             if "error" in reply:
@@ -283,7 +380,8 @@ def _child(
         fn = scope.get(entry)
         if not callable(fn):
             raise SandboxError(f"program {program.name} defines no function {entry}()")
-        conn.send_bytes(json.dumps({"ok": _encode(fn(*_decode(json.loads(encoded))))}).encode())
+        result = _encode(fn(*_decode(json.loads(encoded))))
+        conn.send_bytes(_message({"ok": result}, "its result"))
     except MemoryError:
         conn.send_bytes(
             json.dumps(
@@ -358,7 +456,7 @@ def run_program(
                 if left < own:
                     raise _late(f"program {program.name}")
                 raise SandboxError(f"program {program.name} ran past its time limit of {time_limit} s")
-            reply = json.loads(parent.recv_bytes(64 << 20).decode())
+            reply = _receive(parent, program.name)
             if "call" not in reply:
                 break
             check_deadline(deadline, f"program {program.name}")
