@@ -64,7 +64,7 @@ from fedveil.privacy.policy import budget_of, parse, show
 from fedveil.service import auth, db
 from fedveil.service.jobs import JobRequest, JobRunner, JobState, Population, Refused, audit, validate
 
-__all__ = ["ServiceSettings", "create_app"]
+__all__ = ["ServiceSettings", "SubmissionLimits", "create_app"]
 
 log = logging.getLogger(__name__)
 
