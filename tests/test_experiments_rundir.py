@@ -350,3 +350,45 @@ def test_a_run_directory_below_a_file_ends_with_one_line(
     assert main(["run", str(CONFIG), "--out", str(out), "--no-progress", *_sets(TINY)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(out) in err and "is a file, not a directory" in err, err
+
+
+# --- keys without effect in each system's config --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("system", "extra", "named"),
+    [
+        (
+            "ppfl",
+            "reach_e2e_rounds: 3\n",
+            "e2e=False has no effect: reach_e2e_rounds trains E2E FedAvg first",
+        ),
+        ("aiot", "solo_devices: 4\n", "solo_devices=4 has no effect: only the solo method uses it"),
+        (
+            "polifl",
+            "program: 'def main(model, groups, rounds):\\n  return model'\n",
+            "only the 'program' strategy",
+        ),
+    ],
+)
+def test_each_system_refuses_a_key_its_settings_ignore(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], system: str, extra: str, named: str
+) -> None:
+    cmd, _, _ = _system(tmp_path, system)
+    config = tmp_path / "c.yaml"
+    config.write_text(config.read_text() + extra)
+    assert main([*cmd, *(["--no-e2e"] if system == "ppfl" else [])]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "remove it" in err, err
+    assert not (tmp_path / "out").exists(), "refused before anything was written"
+
+
+def test_feduv_refuses_code_lengths_without_feduv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["feduv", "run", "--methods", "softmax", "--code-lengths", "127", "--out", str(tmp_path / "o")]
+    assert main(args) == 2
+    assert "code_lengths=(127,) has no effect: only FedUV has a code length" in capsys.readouterr().err
+    config = tmp_path / "c.yaml"
+    config.write_text("methods: [fedaws]\ncode_lengths: [255]\n")
+    assert main(["feduv", "run", "--config", str(config), "--out", str(tmp_path / "o")]) == 2
+    assert "code_lengths=[255] has no effect" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -47,7 +47,7 @@ from fedveil.core.provenance import code_identity
 from fedveil.data.faces import FaceImages, face_devices, synthetic_faces
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
-from fedveil.experiments.config import build_dataclass, read_yaml_mapping
+from fedveil.experiments.config import build_dataclass, read_yaml_mapping, refuse_keys_without_effect
 from fedveil.experiments.faces_domain import embed_faces, train_faces, verification
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.weights import load_weights, save_weights
@@ -129,8 +129,13 @@ class AiotRun:
 
 
 def load_aiot_run(path: str | Path, overrides: dict[str, Any] | None = None) -> AiotRun:
-    """An :class:`AiotRun` from a YAML file (unknown keys refused, named), with ``overrides`` on top."""
-    return build_dataclass(AiotRun, {**read_yaml_mapping(path), **(overrides or {})})
+    """An :class:`AiotRun` from a YAML file (unknown keys refused, named, and keys its own methods
+    ignore: ``solo_devices`` without ``solo``), with ``overrides`` on top."""
+    raw = read_yaml_mapping(path)
+    filed = build_dataclass(AiotRun, raw)
+    why = f"only the solo method uses it; methods are {', '.join(filed.methods)}"
+    refuse_keys_without_effect(raw, [("solo_devices", "solo" not in filed.methods, why)], f"{path}: ")
+    return build_dataclass(AiotRun, {**raw, **(overrides or {})})
 
 
 def evaluate_faces(model: torch.nn.Module, faces: FaceImages, reference: np.ndarray) -> dict[str, Any]:

@@ -383,12 +383,7 @@ def load_config(
             as_filed = _build(ExperimentConfig, file_raw)
         except ConfigError:  # the file needs its overrides to be a config at all
             as_filed = cfg
-        ignored = ignored_keys(as_filed, file_raw) + ignored_keys(cfg, given)
-        if ignored:
-            raise ConfigError(
-                f"{'; '.join(ignored)}: remove {'it' if len(ignored) == 1 else 'them'}, or change the "
-                "setting it depends on"
-            )
+        _refuse(ignored_keys(as_filed, file_raw) + ignored_keys(cfg, given))
         if cfg.data.path is not None and not Path(cfg.data.path).exists():
             raise ConfigError(f"data.path: {cfg.data.path!r} does not exist (data.kind {cfg.data.kind!r})")
     return cfg
@@ -461,6 +456,12 @@ def ignored_keys(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> list[str]:
             if k != "enabled"
         ),
     ]
+    return keys_without_effect(raw, rules)
+
+
+def keys_without_effect(raw: Mapping[str, Any], rules: Sequence[tuple[str, bool, str]]) -> list[str]:
+    """The keys given in ``raw`` that a rule ``(dotted key or section, unused, why)`` whose ``unused``
+    holds covers, each as ``"key=value has no effect: why"`` (every system's config check)."""
     out = []
     for key, value in _dotted(raw).items():
         for prefix, unused, why in rules:
@@ -468,6 +469,22 @@ def ignored_keys(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> list[str]:
                 out.append(f"{key}={value!r} has no effect: {why}")
                 break
     return out
+
+
+def refuse_keys_without_effect(
+    raw: Mapping[str, Any], rules: Sequence[tuple[str, bool, str]], where: str = ""
+) -> None:
+    """A ConfigError naming every key of ``raw`` that ``rules`` say has no effect
+    (:func:`keys_without_effect`); ``where`` prefixes the message (e.g. the file)."""
+    _refuse(keys_without_effect(raw, rules), where)
+
+
+def _refuse(ignored: list[str], where: str = "") -> None:
+    if ignored:
+        raise ConfigError(
+            f"{where}{'; '.join(ignored)}: remove {'it' if len(ignored) == 1 else 'them'}, or change the "
+            "setting it depends on"
+        )
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -54,7 +54,7 @@ from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.eval.uv import DEFAULT_BINS, UV_EVALUATIONS, UvEvaluation, plot_uv_rocs
 from fedveil.eval.verification import Roc
 from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
-from fedveil.experiments.config import build_dataclass, read_yaml_mapping
+from fedveil.experiments.config import build_dataclass, read_yaml_mapping, refuse_keys_without_effect
 from fedveil.experiments.plots import plot_series
 from fedveil.models.feduv import build_uv_net
 from fedveil.protocols.feduv import (
@@ -248,8 +248,18 @@ net the one-by-one path is faster on CPU than ``vmap``, ``docs/benchmarks.md``).
 def load_feduv_config(path: str | Path, base: FeduvRunConfig | None = None) -> FeduvRunConfig:
     """A :class:`FeduvRunConfig` from the YAML file ``path`` laid over ``base`` (default: the ``small``
     scale): top-level keys are :class:`FeduvRunConfig`'s fields, ``train`` holds
-    :class:`~fedveil.protocols.feduv.UvTrainConfig`'s. Unknown keys and wrong types fail naming them."""
-    return build_dataclass(FeduvRunConfig, read_yaml_mapping(path), _config_dict(base or SCALES["small"]))
+    :class:`~fedveil.protocols.feduv.UvTrainConfig`'s. Unknown keys and wrong types fail naming them, and
+    so do keys the settings ignore (``code_lengths`` without FedUV among the ``methods``)."""
+    raw = read_yaml_mapping(path)
+    cfg = build_dataclass(FeduvRunConfig, raw, _config_dict(base or SCALES["small"]))
+    refuse_keys_without_effect(raw, _unused_settings(cfg), f"{path}: ")
+    return cfg
+
+
+def _unused_settings(cfg: FeduvRunConfig) -> list[tuple[str, bool, str]]:
+    """The settings ``cfg``'s choices ignore (:func:`~fedveil.experiments.config.keys_without_effect`)."""
+    why = f"only FedUV has a code length; methods are {', '.join(cfg.methods)}"
+    return [("code_lengths", "feduv" not in cfg.methods, why)]
 
 
 def _config_dict(cfg: FeduvRunConfig) -> dict[str, Any]:
@@ -767,9 +777,12 @@ def parse_methods(text: str) -> tuple[str, ...]:
 
 
 def with_overrides(cfg: FeduvRunConfig, **changes: Any) -> FeduvRunConfig:
-    """``cfg`` with the non-``None`` ``changes`` applied (``fraction`` goes into ``cfg.train``)."""
+    """``cfg`` with the non-``None`` ``changes`` applied (``fraction`` goes into ``cfg.train``); a change
+    the result ignores (``code_lengths`` without FedUV) is refused."""
     fraction = changes.pop("fraction", None)
     given = {k: v for k, v in changes.items() if v is not None}
     if fraction is not None:
         given["train"] = dataclasses.replace(cfg.train, fraction=fraction)
-    return dataclasses.replace(cfg, **given)
+    out = dataclasses.replace(cfg, **given)
+    refuse_keys_without_effect(given, _unused_settings(out))
+    return out

@@ -46,7 +46,7 @@ from fedveil.core.communicator import Communicator
 from fedveil.core.provenance import code_identity
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
-from fedveil.experiments.config import build_dataclass, read_yaml_mapping
+from fedveil.experiments.config import build_dataclass, read_yaml_mapping, refuse_keys_without_effect
 from fedveil.experiments.plots import plot_series
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.groups import GroupLedger, noise_multiplier
@@ -175,8 +175,13 @@ class PolifLRun:
 
 
 def load_polifl_run(path: str | Path, overrides: dict[str, Any] | None = None) -> PolifLRun:
-    """A :class:`PolifLRun` from a YAML file (unknown keys refused, named), with ``overrides`` on top."""
-    return build_dataclass(PolifLRun, {**read_yaml_mapping(path), **(overrides or {})})
+    """A :class:`PolifLRun` from a YAML file (unknown keys refused, named, and a global ``program`` no
+    strategy runs), with ``overrides`` on top."""
+    raw = {**read_yaml_mapping(path), **(overrides or {})}
+    run = build_dataclass(PolifLRun, raw)
+    why = f"only the 'program' strategy runs it; strategies are {', '.join(run.strategies)}"
+    refuse_keys_without_effect(raw, [("program", "program" not in run.strategies, why)], f"{path}: ")
+    return run
 
 
 @dataclass

@@ -69,6 +69,7 @@ from fedveil.experiments.checkpoint import (
     prepare_run_dir,
     save_checkpoint,
 )
+from fedveil.experiments.config import refuse_keys_without_effect
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.plots import plot_series
 from fedveil.experiments.runner import device_sessions
@@ -193,6 +194,7 @@ def load_ppfl_run(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: a PPFL config is a mapping of settings")
     raw.update(overrides or {})
+    given = copy.deepcopy(raw)
     top = {f.name for f in fields(PpflRun)}
     unknown = sorted(set(raw) - top)
     if unknown:
@@ -208,9 +210,12 @@ def load_ppfl_run(path: str | Path, overrides: Mapping[str, Any] | None = None) 
         value = raw["tee_mib"]
         raw["tee_mib"] = tuple(value) if isinstance(value, list) else (value,)
     try:
-        return PpflRun(**raw, ppfl=PpflConfig(**block))
+        run = PpflRun(**raw, ppfl=PpflConfig(**block))
     except TypeError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
+    why = "reach_e2e_rounds trains E2E FedAvg first, as PPFL's target"
+    refuse_keys_without_effect(given, [("e2e", run.reach_e2e_rounds is not None, why)], f"{source}: ")
+    return run
 
 
 def _write_json(path: Path, value: Any) -> None:
