@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fedveil.experiments.checkpoint import add_run_dir_arguments
 from fedveil.experiments.config import load_config
 from fedveil.experiments.report import format_results
 
@@ -26,7 +27,7 @@ def register(subparsers: Any) -> None:
         "--insecure", action="store_true", help="plaintext, unauthenticated devices (not for real use)"
     )
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    add_run_dir_arguments(p)
     p.add_argument("--min-devices", type=int, default=None, help="devices to wait for (default: all users)")
     p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for them (default 600)")
     p.set_defaults(func=run)
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from fedveil.experiments.runner import run_experiment
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, refuse_ignored=True)
     out = args.out or Path("runs") / cfg.name
     if args.insecure:
         print(
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         min_devices=args.min_devices,
         enrol_listen=args.enrol_listen,
     )
-    results = run_experiment(cfg, out, progress=sys.stderr.isatty(), resume=args.resume, network=plan)
+    results = run_experiment(
+        cfg, out, progress=sys.stderr.isatty(), resume=args.resume, overwrite=args.overwrite, network=plan
+    )
     print(format_results(results, out))
     return 0
