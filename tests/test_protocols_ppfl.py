@@ -626,3 +626,24 @@ def test_batched_cohort_equals_device_by_device() -> None:
     np.testing.assert_allclose(la, lb, rtol=1e-5)
     for x, y in zip(pa.trained_model("c1").parameters(), pb.trained_model("c1").parameters(), strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_an_update_over_the_norm_bound_is_rejected_alone() -> None:
+    """Inside the enclave as in the FedAvg engine: one update whose change to the layer is finite but
+    absurd (3e38) is rejected with its reason, and the others are averaged; the bound is the request's."""
+    state = LayerwiseState()
+    state.begin(0, [ParamSpec((3,), "zeros")], seed=0)
+    updates = {
+        "huge": np.array([3e38, 0, 0, 1.0], np.float32),
+        "a": np.array([1, 2, 3, 0.5], np.float32),
+        "b": np.array([3, 4, 5, 1.5], np.float32),
+    }
+    rejected, loss = state.average(0, 1, updates, dict.fromkeys(updates, 1), weighted=False)
+    assert list(rejected) == ["huge"] and "exceeds max_upload_norm 1e+06" in rejected["huge"]
+    assert loss == pytest.approx(1.0)
+    np.testing.assert_allclose(state.current(0), [2, 3, 4])
+    updates["near"] = np.array([2.5, 3, 4, 0.25], np.float32)
+    rejected, loss = state.average(0, 2, updates, dict.fromkeys(updates, 1), weighted=False, max_norm=1.0)
+    assert set(rejected) == {"huge", "a", "b"}  # a and b move the layer by sqrt(3) each, near by 0.5
+    assert loss == 0.25
+    np.testing.assert_allclose(state.current(0), [2.5, 3, 4])

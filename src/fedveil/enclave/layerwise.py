@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_upload
 from fedveil.errors import CodecError, ValidationError
 
 INITS = ("uniform", "zeros", "ones")
@@ -157,11 +158,15 @@ class LayerwiseState:
         *,
         weighted: bool,
         final: bool = True,
+        max_norm: float = DEFAULT_MAX_UPLOAD_NORM,
     ) -> tuple[dict[str, str], float | None]:
         """Fold the valid ``updates`` (each ``theta_l^(j)`` then the client's mean loss) into round
         ``rnd``'s running sum; with ``final``, replace ``theta_l`` by the average (``1 / size(J)``, or
-        weighted by ``num_samples``) of every update folded this round. A round may come in several
-        requests (the enclave's memory bounds one request); the sum is kept in float64 between them.
+        weighted by ``num_samples``) of every update folded this round. An update of the wrong size, not
+        finite, or whose change to ``theta_l`` has an L2 norm above ``max_norm``
+        (:func:`~fedveil.enclave.aggregate.check_upload`, as for FedAvg uploads) is rejected. A round may
+        come in several requests (the enclave's memory bounds one request); the sum is kept in float64
+        between them.
         Returns the rejected clients with reasons, and (when ``final``) the clients' mean loss, ``None``
         if no update was valid (``theta_l`` is then unchanged)."""
         theta = self.current(stage)
@@ -176,6 +181,8 @@ class LayerwiseState:
                 )
             elif not np.isfinite(values).all():
                 rejected[cid] = "ValidationError: update contains NaN or infinity"
+            elif (why := _refusal(values[:-1], max_norm, theta)) is not None:
+                rejected[cid] = why
             else:
                 weight = float(num_samples[cid]) if weighted else 1.0
                 if self._sum is None:
@@ -202,3 +209,12 @@ class LayerwiseState:
         self.kept = theta[theta.size - keep :].copy() if keep else None
         self.theta = None
         return theta[: theta.size - keep].copy()
+
+
+def _refusal(values: np.ndarray, max_norm: float, theta: np.ndarray) -> str | None:
+    """Why an update of ``theta`` is refused by the norm bound, or None."""
+    try:
+        check_upload(values, max_norm, reference=theta, what="update")
+    except ValidationError as exc:
+        return f"ValidationError: {exc}"
+    return None

@@ -40,7 +40,7 @@ gradients into it, and receive their derivatives directly from it. Every request
     under training inside (from one blob of public float32 values, when the request carries one);
     ``{"round", "stage", "clients", "kept"}`` seals it (or, with ``kept``, the tail kept inside after
     training) to each client's session as a ``model`` record; ``{"round", "stage", "clients",
-    "num_samples", "weighted", "final"}`` with one sealed ``update`` record per client opens them
+    "num_samples", "weighted", "max_norm", "final"}`` with one sealed ``update`` record per client opens them
     (failures reject that client only) and folds them into the round's sum inside; the ``final`` request
     of a round averages and releases only the clients' mean loss; ``{"stage", "keep"}`` releases the
     trained layer to the host, but for its last ``keep`` values.
@@ -604,17 +604,24 @@ class EnclaveService:
             raise CodecError(
                 f"request fields 'weighted' and 'final' are {weighted!r}, {final!r}: expected bools"
             )
+        max_norm = _max_norm(header)
         theta = self._layers.current(stage)
         sealed_total = sum(b.nbytes for b in blobs)
-        self._check_fits(
-            size + sealed_total + 8 * (theta.size + 1), f"averaging {len(clients)} layer updates"
-        )
+        # the float64 sum, and one float64 block of an update's change for its norm
+        work = 8 * (theta.size + 1) + 8 * min(theta.size, AGGREGATE_BLOCK)
+        self._check_fits(size + sealed_total + work, f"averaging {len(clients)} layer updates")
         updates, rejected = self._open_records(
             clients, blobs, kind=UPDATE, rnd=rnd, attempt=0, shape=None, ndim=1
         )
-        meter.hold(size + sealed_total + 8 * (theta.size + 1))
+        meter.hold(size + sealed_total + work)
         more, loss = self._layers.average(
-            stage, rnd, updates, dict(zip(clients, num_samples, strict=True)), weighted=weighted, final=final
+            stage,
+            rnd,
+            updates,
+            dict(zip(clients, num_samples, strict=True)),
+            weighted=weighted,
+            final=final,
+            max_norm=max_norm,
         )
         rejected.update(more)
         accepted = [c for c in clients if c in updates and c not in more]

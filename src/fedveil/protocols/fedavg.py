@@ -147,7 +147,8 @@ class FedAvgEngine:
 
     ``weights=None`` is a model the server's host never holds (PPFL's layer in training lives in the
     server's enclave): ``configure`` then seals it to the cohort, replies carry an opaque ``record``
-    instead of weights, and ``aggregate`` averages inside the enclave and returns ``None``.
+    instead of weights, and ``aggregate`` averages inside the enclave and returns ``None`` (the enclave
+    applies the same bound there: :meth:`fedveil.enclave.layerwise.LayerwiseState.average`).
     """
 
     def __init__(

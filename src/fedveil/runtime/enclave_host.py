@@ -682,9 +682,12 @@ class EnclaveHost:
         num_samples: Mapping[str, int],
         *,
         weighted: bool = False,
+        max_norm: float = DEFAULT_MAX_UPLOAD_NORM,
     ) -> LayerAggregateResult:
         """Open the clients' sealed updates and average them inside (Alg. 1), in as many requests as the
-        enclave's memory limit needs; only the mean training loss comes out."""
+        enclave's memory limit needs; only the mean training loss comes out. An update whose change to
+        the layer has an L2 norm above ``max_norm`` rejects its client, as in the FedAvg engine."""
+        max_norm = check_max_upload_norm(max_norm)
         if set(sealed) != set(num_samples):
             raise ValidationError("layer_aggregate: sealed updates and num_samples name different clients")
         accepted: list[str] = []
@@ -700,6 +703,7 @@ class EnclaveHost:
                     "clients": batch,
                     "num_samples": [int(num_samples[c]) for c in batch],
                     "weighted": weighted,
+                    "max_norm": max_norm,
                     "final": i == len(batches) - 1,
                 },
                 [sealed[c] for c in batch],
