@@ -24,6 +24,7 @@ import pytest
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
+from fedveil.experiments import runner
 from fedveil.experiments.checkpoint import (
     CRASH_ENV,
     Checkpoint,
@@ -147,7 +148,6 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
         "round:3",  # before round 3's uploads
         "metrics:3",  # round 3's line is on disk, its checkpoint is not
         "eval:2",  # during round 2's evaluation, after its checkpoint
-        "eval:4",  # during the last round's evaluation
     ],
 )
 def test_a_run_killed_anywhere_in_a_round_resumes_to_the_uninterrupted_model(
@@ -163,7 +163,31 @@ def test_a_run_killed_anywhere_in_a_round_resumes_to_the_uninterrupted_model(
     assert rounds == [1, 2, 3, 4], "every round once, in order"
     assert evals == [2, 4], "every scheduled evaluation once, the one cut off included"
     np.testing.assert_array_equal(load_checkpoint(out).arrays["weights"], uninterrupted)
-    assert json.loads((out / "results.json").read_text())["rounds"] == 4
+    results = json.loads((out / "results.json").read_text())
+    assert results["rounds"] == 4 and results["rounds_per_second"] >= 0
+
+
+def test_a_crash_in_the_last_evaluation_is_made_good_once_on_resume(
+    tmp_path: Path, toy_population: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = load_config(None, TINY)
+    real = runner.evaluate
+    calls = {"n": 0}
+
+    def crash_in_the_second(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("power cut")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate", crash_in_the_second)
+    with pytest.raises(RuntimeError, match="power cut"):
+        run_experiment(cfg, tmp_path, progress=False, population=toy_population)
+    assert load_checkpoint(tmp_path).round == 4 and _lines(tmp_path) == ([1, 2, 3, 4], [2])
+    run_experiment(cfg, tmp_path, progress=False, population=toy_population, resume=True)
+    assert _lines(tmp_path) == ([1, 2, 3, 4], [2, 4]), "the cut-off evaluation, once"
+    run_experiment(cfg, tmp_path, progress=False, population=toy_population, resume=True)
+    assert _lines(tmp_path) == ([1, 2, 3, 4], [2, 4]), "resuming a finished run adds no line"
 
 
 # --- Ctrl-C -----------------------------------------------------------------------------------------

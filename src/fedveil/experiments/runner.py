@@ -455,6 +455,7 @@ def run_experiment(
                 totals[key] += h.get(key, 0)
             totals["applied"] += int(bool(h["applied"]))
             totals["rounds"] += 1
+    resumed_rounds = totals["rounds"]  # this process trains the rest (its rounds per second)
     started = time.perf_counter()
     metrics: dict[str, Any] = {}
     roc = None
@@ -634,7 +635,7 @@ def run_experiment(
         "dropouts": totals["dropouts"],
         "sim_seconds": totals["sim_seconds"],
         "real_seconds": real,
-        "rounds_per_second": (totals["rounds"] - len(history)) / real if real > 0 else math.inf,
+        "rounds_per_second": (totals["rounds"] - resumed_rounds) / real if real > 0 else math.inf,
     }
     results["code"] = code_identity()
     if resume and previous is not None:
