@@ -191,11 +191,11 @@ class LocalEnclave(_Expecting):
         expect(emb.shape == shape, f"embeddings of shape {emb.shape}, expected {shape}")
         non_finite, too_large = unusable_rows(emb)
         expect(not non_finite.any(), "embeddings contain NaN or infinity")
-        expect(
-            not too_large.any(),
-            f"embeddings reach magnitude {float(np.abs(emb).max()):.3g}, at or above "
-            f"{float(magnitude_limit(emb.dtype, shape[1])):.3g}: too large for float32 squared distances",
-        )
+        if too_large.any():
+            raise ValidationError(
+                f"embeddings reach magnitude {float(np.abs(emb).max()):.3g}, at or above "
+                f"{float(magnitude_limit(emb.dtype, shape[1])):.3g}: too large for float32 squared distances"
+            )
 
     def check_grad(self, msg: GradReply) -> None:
         """The gradient must be a ``(num_params,)`` vector of L2 norm at most ``max_norm``."""
