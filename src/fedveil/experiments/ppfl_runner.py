@@ -263,6 +263,11 @@ def run_ppfl(
 
     def interrupted() -> RunInterrupted:
         saved = load_checkpoint(out)
+        if run.reach_e2e_rounds is not None and (saved is None or "e2e" not in saved.meta):
+            return RunInterrupted(
+                f"PPFL run {run.name!r} interrupted in its E2E FedAvg target run, which starts again from "
+                "its first round (it keeps no checkpoint)"
+            )
         done = len(saved.meta.get("stages", [])) if saved is not None else 0
         kept = f"stages 0-{done - 1} are kept" if done else "no stage is kept"
         return RunInterrupted(
@@ -276,12 +281,13 @@ def run_ppfl(
             say(f"E2E FedAvg: {len(e2e)} rounds, from the checkpoint")
         else:
             started = time.perf_counter()
-            e2e = train_e2e(run, split, run.reach_e2e_rounds, show_bar)
+            try:
+                e2e = train_e2e(run, split, run.reach_e2e_rounds, show_bar)
+            except KeyboardInterrupt:  # E2E keeps no checkpoint of its own: Ctrl-C stops it at once
+                raise interrupted() from None
             e2e_seconds = time.perf_counter() - started
             state.update(e2e=e2e, e2e_seconds=e2e_seconds)
             save_checkpoint(out, Checkpoint(0, {}, state))
-            if stop.requested:
-                raise interrupted()
         target = e2e[-1]["test_accuracy"]
         say(f"E2E FedAvg: {len(e2e)} rounds, accuracy {target:.4f}: PPFL's target")
         run = replace(run, ppfl=replace(run.ppfl, target_accuracy=target))
@@ -392,7 +398,10 @@ def run_ppfl(
         results["bytes_to_reach"] = results["bytes_up"] + results["bytes_down"] if reached else None
     elif run.e2e:
         started = time.perf_counter()
-        e2e = train_e2e(run, split, len(lines), show_bar)
+        try:
+            e2e = train_e2e(run, split, len(lines), show_bar)
+        except KeyboardInterrupt:
+            raise interrupted() from None
         e2e_seconds = time.perf_counter() - started
     if e2e is not None:
         results["e2e_rounds"] = len(e2e)
