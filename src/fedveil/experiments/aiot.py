@@ -323,16 +323,22 @@ def run_aiot(
     if weights.is_file():
         model = load_weights(model, weights)
     else:
-        train_faces(
-            model,
-            public,
-            epochs=run.pretrain_epochs,
-            lr=run.pretrain_lr,
-            batch_size=run.pretrain_batch_size,
-            seed=run.seed,
-            desc="pre-train (public)",
-            progress=progress,
-        )
+        try:
+            train_faces(
+                model,
+                public,
+                epochs=run.pretrain_epochs,
+                lr=run.pretrain_lr,
+                batch_size=run.pretrain_batch_size,
+                seed=run.seed,
+                desc="pre-train (public)",
+                progress=progress,
+            )
+        except KeyboardInterrupt:  # the pre-training is saved only when it ends: Ctrl-C stops it at once
+            raise RunInterrupted(
+                f"AIoT run {run.name!r} interrupted in its pre-training, which starts again from its "
+                "first epoch"
+            ) from None
         save_weights(model, weights)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     results = record["results"]
