@@ -301,8 +301,10 @@ WRAPPERS = [("({})", 1), ("!(!({}))", 4), ("({} . 1)", 1), ("(1 . {})", 1), ("({
 
 
 def _wrapped(p: Policy, picks: list[int], depth: int) -> str:
-    """``show(p)`` in wrappers (picked in turn from ``picks``) until ``depth`` levels of nesting."""
-    text, level = f"({show(p)})", 1
+    """``show(p)`` in wrappers (picked in turn from ``picks``) until ``depth`` levels of nesting (what
+    ``show(p)`` itself nests is at most its count of ``(``, ``[`` and ``!``)."""
+    text = show(p)
+    text, level = f"({text})", 1 + sum(text.count(ch) for ch in "([!")
     for i in range(10 * depth):
         form, cost = WRAPPERS[picks[i % len(picks)]]
         if level + cost > depth:

@@ -266,6 +266,9 @@ class Policy:
             todo.extend(zip(a.parts, b.parts, strict=True))
         return True
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_node, (self.kind, self.parts, self.cmd))
+
     def __str__(self) -> str:
         return show(self)
 
@@ -597,17 +600,20 @@ class _Parser:
         self.tokens: list[tuple[str, str, int]] = []
         self.depth = 0
         for m in _TOKEN.finditer(text):
-            kind = m.lastgroup or "bad"
-            pos = m.start(kind)
-            if kind == "bad":
+            kind, group = m.lastgroup, m.lastindex
+            if kind == "bad" or kind is None or group is None:
+                pos = m.end() - 1
                 raise PolicySyntaxError(
                     f"policy {_excerpt(text)}: cannot read {text[pos : pos + 12]!r} at position {pos}"
                 )
-            self.tokens.append((kind, m.group(kind), pos))
+            self.tokens.append((kind, m.group(group), m.start(group)))
+        self.tokens.append(("end", "", len(text)))
+        self.texts = [tok[1] for tok in self.tokens]  # what eat() compares an operator with
         self.i = 0
 
     def peek(self) -> tuple[str, str, int] | None:
-        return self.tokens[self.i] if self.i < len(self.tokens) else None
+        tok = self.tokens[self.i]
+        return None if tok[0] == "end" else tok
 
     def fail(self, expected: str) -> PolicySyntaxError:
         tok = self.peek()
@@ -615,8 +621,8 @@ class _Parser:
         return PolicySyntaxError(f"policy {_excerpt(self.text)}: expected {expected}, found {where}")
 
     def eat(self, op: str) -> bool:
-        tok = self.peek()
-        if tok is not None and tok[0] == "op" and tok[1] == op:
+        """Take the next token if it is the operator ``op`` (no other token's text is an operator's)."""
+        if self.texts[self.i] == op:
             self.i += 1
             return True
         return False
