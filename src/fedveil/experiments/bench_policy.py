@@ -5,7 +5,7 @@
   on a fresh state (the memoised derivative cache cleared, so the figure is the computation, not a
   lookup);
 - a large policy: parsing a union of 20,000 alternatives (``get_data(group=0) . runFL + ...``, about
-  600,000 characters; the parser is linear, a few tenths of a second), reading the same text again (the
+  600,000 characters; the parser is linear: about half a second), reading the same text again (the
   parsed policy is kept) and a verdict on it (one group's ``get_data`` then ``runFL``);
 - the sandbox: compiling a small program with RestrictedPython, and running it (a forked child per run)
   against calling the same function directly;
