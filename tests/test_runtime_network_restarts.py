@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedveil.experiments.checkpoint import load_checkpoint
+from fedveil.experiments.checkpoint import CRASH_ENV, load_checkpoint
 from fedveil.experiments.config import load_config
 from fedveil.experiments.network_run import PLATFORM_PUB, build_agent, platform_for
 from fedveil.experiments.runner import build_population, build_trainer
@@ -81,20 +81,23 @@ class _Deployment:
         }
         self.logs = 0
 
-    def _start(self, cmd: list[str], log: str) -> subprocess.Popen:
+    def _start(self, cmd: list[str], log: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         self.logs += 1
         with open(self.tmp / f"{log}-{self.logs}.log", "wb") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=self.env)
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**self.env, **(env or {})})
         self.procs.append(proc)
         return proc
 
-    def server(self, *extra: str) -> subprocess.Popen:
+    def server(self, *extra: str, crash_at: str | None = None) -> subprocess.Popen:
+        """``fedveil server`` of this deployment; ``crash_at`` (``POINT:ROUND``) makes it SIGKILL itself
+        there (:func:`fedveil.experiments.checkpoint.crash_point`)."""
         return self._start(
             [
                 sys.executable, "-m", "fedveil", "server", str(self.cfg_path), "--pki", str(self.pki),
                 "--listen", f"127.0.0.1:{self.port}", "--out", str(self.run), "--wait", "60", *extra,
             ],
             "server",
+            {CRASH_ENV: crash_at} if crash_at else None,
         )  # fmt: skip
 
     def agent(self, shard: str) -> subprocess.Popen:
@@ -157,15 +160,16 @@ async def _uninterrupted(dep: _Deployment) -> np.ndarray:
         trainer.close()
 
 
-def test_a_server_killed_mid_round_and_resumed_ends_with_the_uninterrupted_model(
+def test_a_server_killed_at_two_points_and_resumed_ends_with_the_uninterrupted_model(
     deployment: _Deployment,
 ) -> None:
-    """The server is SIGKILLed mid-round (one agent paused, so the server is waiting for uploads that its
-    devices may already have drawn samples for) and resumed; the paused agent is kept (it has drawn
-    further than the checkpoint) and the other is killed too and started afresh (it has drawn nothing).
-    Each round's draws come from that round's seed, so neither changes the model."""
+    """The server is SIGKILLed twice and resumed each time. First between round 2's metrics line and its
+    checkpoint, the agents kept (they have drawn for a round the checkpoint does not hold). Then
+    mid-round: one agent paused, so the server waits for uploads its devices may already have drawn
+    samples for; that agent is kept, the other is killed too and started afresh (it has drawn nothing).
+    Each round's draws come from that round's seed, so none of this changes the model."""
     dep = deployment
-    server = dep.server()
+    server = dep.server(crash_at="metrics:2")
     kept = dep.agent("0/2")
     other = dep.agent("1/2")
     threads = torch.get_num_threads()
@@ -175,7 +179,10 @@ def test_a_server_killed_mid_round_and_resumed_ends_with_the_uninterrupted_model
     finally:
         torch.set_num_threads(threads)
 
-    _wait_for(lambda: len(_rounds(dep.run)) >= 3, 120, "three rounds", dep.procs)
+    assert server.wait(120) == -signal.SIGKILL, "the server kills itself after round 2's metrics line"
+    dep.procs.remove(server)
+    server = dep.server("--resume")
+    _wait_for(lambda: len(_rounds(dep.run)) >= 4, 120, "four rounds", dep.procs)
     kept.send_signal(signal.SIGSTOP)  # the server now waits for this agent's replies in a round
     try:
         time.sleep(0.3)
@@ -235,7 +242,7 @@ def test_a_restarted_agent_is_attested_afresh_and_its_devices_are_not_selected_w
         down = [r for r in _rounds(dep.run) if r["round"] > killed_at + 2]
         seen = _devices_per_round(dep.run)
         assert all(r["dropouts"] == 0 and r["applied"] for r in down), "a disconnected device is not selected"
-        assert not any(seen[r["round"]] & mine for r in down)
+        assert not any(seen.get(r["round"], set()) & mine for r in down)
 
         dep.agent("1/2")
         restarted_at = len(_rounds(dep.run))
@@ -251,6 +258,7 @@ def test_a_restarted_agent_is_attested_afresh_and_its_devices_are_not_selected_w
         after = [r for r in rounds if r["round"] >= first_back]
         assert all(r["dropouts"] == 0 and r["applied"] for r in after), "its sealed replies are accepted"
         assert any(r["enclave_rejected"] == 0 and r["gradients"] >= 2 for r in after)
+        assert "admitting" in (tmp_path / "server-1.log").read_text(), "the server says whom it admits"
     finally:
         dep.close()
 
