@@ -409,3 +409,24 @@ def test_an_agent_that_connects_and_never_speaks_does_not_hold_a_round(pki: Path
         await agents
 
     _run(go())
+
+
+def test_a_busy_server_does_not_take_unread_heartbeats_for_silence(pki: Path) -> None:
+    """``available()`` counts heartbeats up to the last moment the server's event loop ran: a loop held up
+    for longer than three heartbeats (a long step 5, a slow fsync) still sees its devices when it selects
+    the next cohort. ``take_joined`` hands out each welcome once."""
+    pool = EchoPool(["b"])
+
+    async def go() -> None:
+        runtime, address = await _serve(pki)
+        host = _host(address, _creds(pki, ["b"]), pool)
+        agents = asyncio.create_task(host.run())
+        assert await runtime.wait_for_devices(["b"], 10) == ["b"]
+        assert runtime.take_joined() == ["b"]
+        assert runtime.take_joined() == []
+        time.sleep(4 * runtime.heartbeat_seconds)  # busy: nothing is read, no heartbeat is sent
+        assert runtime.available() == ["b"]
+        await runtime.close()
+        assert (await agents) == {"b": "finished"}
+
+    _run(go())

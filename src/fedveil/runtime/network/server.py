@@ -140,6 +140,8 @@ class NetworkRuntime:
         self._joined: asyncio.Condition | None = None
         self.port = 0
         self.enrol_port = 0
+        self._awake: float | None = None
+        self._clock: asyncio.Task[None] | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -185,8 +187,17 @@ class NetworkRuntime:
             raise ConfigError(f"could not listen on {self.listen}")
         await server.start()
         self._server = server
+        self._clock = asyncio.create_task(self._keep_awake())
         log.info("serving devices on port %d%s", self.port, " (insecure)" if self.insecure else " (mTLS)")
         return self.port
+
+    async def _keep_awake(self) -> None:
+        """Note when the event loop last ran (every 0.2 s at most): a device is stale only if it was
+        silent while the server could have heard it, not while the loop was busy (a long step 5, a
+        checkpoint's fsync) with its heartbeats waiting to be read."""
+        while True:
+            self._awake = time.monotonic()
+            await asyncio.sleep(0.2)
 
     async def close(
         self, reason: str = "training finished", *, final: bool = True, grace: float = 2.0
@@ -207,6 +218,9 @@ class NetworkRuntime:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self._clock is not None:
+            self._clock.cancel()
+            self._clock = None
 
     async def wait_for_devices(self, devices: int | Sequence[str], timeout: float) -> list[str]:
         """Wait until ``devices`` (a count, or these ids) are connected, at most ``timeout`` seconds;
@@ -231,8 +245,11 @@ class NetworkRuntime:
     # ---------------------------------------------------------------- Communicator
 
     def available(self) -> list[ClientId]:
-        """Devices connected now, hello accepted, heard from within three heartbeats (sorted)."""
-        now = time.monotonic()
+        """Devices connected now, hello accepted, heard from within three heartbeats (sorted). The
+        heartbeats are counted up to the last moment the server's event loop ran, so that a server busy
+        for longer than that between two rounds does not take its devices' unread heartbeats for
+        silence."""
+        now = time.monotonic() if self._awake is None else self._awake
         limit = 3 * self.heartbeat_seconds
         return sorted(
             d for d, c in self._conns.items() if now - c.last_seen <= limit and not c.closed.is_set()
