@@ -11,7 +11,7 @@ import random
 from functools import cache
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fedveil.errors import ConfigError
@@ -349,6 +349,7 @@ SEQ_CALLS = [c("a"), c("b"), c("f", x=1), c("f", x=[2, 1]), c("g", y="z"), c("f"
     st.integers(1, 75),
     st.integers(0, 2**32 - 1),
 )
+@example(picks=[0, 1, 2, 3, 4] * 8, repeat=75, seed=0)  # 3,000 commands
 def test_long_sequences_parse_print_and_advance_without_recursion(
     picks: list[int], repeat: int, seed: int
 ) -> None:
