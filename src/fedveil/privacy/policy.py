@@ -782,7 +782,8 @@ def parse(text: str) -> Policy:
     position of what does not parse, or the limit (:data:`MAX_POLICY_CHARS`, :data:`MAX_POLICY_NODES`,
     :data:`MAX_POLICY_DEPTH`) a policy is over. A text parsed recently is not parsed again."""
     if not isinstance(text, str) or not text.strip():
-        raise PolicySyntaxError(f"a policy must be non-empty text, not {_excerpt(str(text))}")
+        given = _excerpt(text) if isinstance(text, str) else type(text).__name__
+        raise PolicySyntaxError(f"a policy must be non-empty text, not {given}")
     kept = _KEPT.get(text)
     if kept is not None:
         return kept
