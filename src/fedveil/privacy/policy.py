@@ -211,7 +211,9 @@ class Policy:
     """A node: ``kind`` is one of ``zero one cmd seq or and not star``; ``parts`` its children (a
     sorted tuple for ``or`` / ``and``); ``cmd`` the command of a ``cmd`` node. Its hash, :func:`size`,
     :func:`nullable` and the first characters of its text are computed from its children's when it is
-    built, so none of them walks the policy; equality walks both policies with a stack."""
+    built, so none of them walks the policy. The constructors, the parser and unpickling hash-cons nodes
+    (:func:`_node`); equality of nodes built otherwise (``Policy(...)`` directly) walks both with a
+    stack."""
 
     kind: str
     parts: tuple[Policy, ...] = ()
@@ -225,18 +227,18 @@ class Policy:
     def __post_init__(self) -> None:
         kind, parts = self.kind, self.parts
         if kind in ("zero", "cmd"):
-            empty = False
+            accepts_empty = False
         elif kind in ("one", "star"):
-            empty = True
+            accepts_empty = True
         elif kind in ("seq", "and"):
-            empty = all(q._nullable for q in parts)
+            accepts_empty = all(q._nullable for q in parts)
         elif kind == "or":
-            empty = any(q._nullable for q in parts)
+            accepts_empty = any(q._nullable for q in parts)
         else:
-            empty = not parts[0]._nullable
+            accepts_empty = not parts[0]._nullable
         object.__setattr__(self, "_hash", hash((kind, self.cmd, *(q._hash for q in parts))))
         object.__setattr__(self, "_size", 1 + sum(q._size for q in parts))
-        object.__setattr__(self, "_nullable", empty)
+        object.__setattr__(self, "_nullable", accepts_empty)
         prefix, length = [], 0
         for piece in _pieces(self):
             text = piece if isinstance(piece, str) else piece._prefix
