@@ -60,7 +60,9 @@ def round_rng(seed: int, index: int, rnd: int, attempt: int = 0) -> np.random.Ge
 
 class RoundSeededPool:
     """A client pool whose devices draw each round's randomness (training samples, augmentation, local
-    batches, noise drawn on the device) from :func:`round_rng` of the request's round and attempt.
+    batches) from :func:`round_rng` of the request's round and attempt. The seed is the experiment's,
+    which the server knows too: nothing that must stay secret from the server (noise that protects a
+    device's update) may be drawn from these generators.
 
     Before ``pool.handle_batch`` sees a message with a ``round`` field (and ``attempt``, if it has one),
     the addressed device's generator is set to that round's; messages without a round (registration,
