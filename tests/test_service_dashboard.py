@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from fedveil.privacy import policy
 from fedveil.service import auth, db
 from fedveil.service.app import ServiceSettings, create_app
 from fedveil.service.jobs import Population
@@ -157,3 +158,19 @@ def test_pages_carry_strict_security_headers(site) -> None:
     assert "<script" not in r.text
     cookie = r.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie
+
+
+def test_a_policy_over_the_parsers_limits_is_refused_on_save_naming_the_limit(site) -> None:
+    client, engine = site
+    csrf = _sign_in(client)
+    client.post("/admin/applications", data={"csrf": csrf, "name": "weather"})
+    client.post("/admin/groups", data={"csrf": csrf, "name": "gr1"})
+    deep = "(" * 5000 + "get_data" + ")" * 5000
+    wide = "+".join(f"c{i}" for i in range(policy.MAX_POLICY_NODES + 1))
+    for text, limit in ((deep, f"limit of {policy.MAX_POLICY_DEPTH} levels"), (wide, "limit of")):
+        r = client.post(
+            "/admin/policies", data={"csrf": csrf, "application": "weather", "group": "gr1", "text": text}
+        )
+        assert r.status_code == 400 and limit in r.text
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(db.policies)).scalar() == 0
