@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
 from fedveil.experiments import aiot
 from fedveil.experiments.aiot import METHODS, load_aiot_run
+from fedveil.experiments.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 
 TINY = """
 name: tiny
@@ -85,3 +88,56 @@ def test_shipped_aiot_config_loads() -> None:
     cfg = load_aiot_run(Path(__file__).parents[1] / "configs" / "aiot" / "small.yaml")
     assert (cfg.rounds, cfg.local_epochs, cfg.lr, cfg.trials) == (20, 1, 0.001, 5)
     assert set(cfg.methods) == set(METHODS)
+
+
+class _PowerCut(Exception):
+    """A crash in the middle of a run, raised where the crash-test hook would kill the process."""
+
+
+def test_a_trial_cut_off_mid_way_resumes_from_its_last_round_to_the_uninterrupted_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    run = load_aiot_run(config, {"rounds": 3, "trials": 1, "methods": ["ours", "solo"]})
+    models: list[dict[str, torch.Tensor]] = []
+    real_evaluate = aiot.evaluate_faces
+
+    def evaluate(model: torch.nn.Module, *args: Any) -> dict[str, Any]:
+        models.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return real_evaluate(model, *args)
+
+    monkeypatch.setattr(aiot, "evaluate_faces", evaluate)
+    whole = aiot.run_aiot(run, tmp_path / "whole", progress=False)
+    final = models[-1]
+    seen: list[str] = []
+
+    def hook(name: str, rnd: int) -> None:
+        seen.append(f"{name}:{rnd}")
+        if seen.count("metrics:2") == 3 and seen[-1] == "metrics:2":  # ours, solo device 1, solo device 2
+            raise _PowerCut
+
+    monkeypatch.setattr(aiot, "crash_point", hook)
+    out = tmp_path / "cut"
+    with pytest.raises(_PowerCut):
+        aiot.run_aiot(run, out, progress=False)
+    ckpt = load_checkpoint(out)
+    assert (ckpt.round, ckpt.meta["key"], ckpt.meta["part"], len(ckpt.meta["rows"])) == (1, "solo/0", 1, 1)
+    assert any(k.startswith("projector.") for k in ckpt.arrays), "the simulated devices' projectors"
+    seen.clear()
+    models.clear()
+    resumed = aiot.run_aiot(run, out, progress=False, resume=True)
+    assert seen == ["round:2", "metrics:2", "round:3", "metrics:3"], "only the second device's last rounds"
+    assert len(models) == 1 and models[0].keys() == final.keys()
+    for name, value in final.items():
+        torch.testing.assert_close(models[0][name], value, rtol=0, atol=0)
+    assert resumed["results"] == whole["results"] and not (out / "checkpoint.npz").exists()
+
+
+def test_a_trial_checkpoint_of_other_settings_is_not_resumed(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    (tmp_path / "run").mkdir()
+    save_checkpoint(tmp_path / "run", Checkpoint(1, {}, {"config_sha256": "another", "key": "ours/0"}))
+    with pytest.raises(ConfigError, match=r"checkpoint\.npz \(round 1\) was trained under another config"):
+        aiot.run_aiot(load_aiot_run(config), tmp_path / "run", progress=False, resume=True)

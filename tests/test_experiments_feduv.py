@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from fedveil import cli
 from fedveil.errors import ConfigError
+from fedveil.experiments import feduv_runner
+from fedveil.experiments.checkpoint import load_checkpoint
 from fedveil.experiments.feduv_runner import (
     PAPER_TABLE3_MNIST_UV,
     SCALES,
@@ -23,7 +26,7 @@ from fedveil.experiments.feduv_runner import (
     shape_checks,
     with_overrides,
 )
-from fedveil.protocols.feduv import UvModel, UvTrainConfig
+from fedveil.protocols.feduv import UvModel, UvServer, UvTrainConfig
 
 TINY = FeduvRunConfig(
     name="tiny",
@@ -208,3 +211,91 @@ def test_cli_reports_bad_input_without_a_traceback(capsys) -> None:
 def test_bench_counts_client_updates() -> None:
     doc = bench_client_updates(clients=2, width_divisor=32, examples=10, repeats=1, threads=1)
     assert doc["client_updates_per_second"] > 0 and doc["clients"] == 2 and doc["num_params"] > 0
+
+
+class _PowerCut(Exception):
+    """A crash in the middle of a run, raised where the crash-test hook would kill the process."""
+
+
+def _cut_at(monkeypatch: pytest.MonkeyPatch, point: str, seen: list[str], nth: int = 1) -> None:
+    """Make the crash-test hook raise :class:`_PowerCut` the ``nth`` time it passes ``point``
+    (``NAME:ROUND``: of the ``nth`` method); record every point passed in ``seen``."""
+
+    def hook(name: str, rnd: int) -> None:
+        seen.append(f"{name}:{rnd}")
+        if seen.count(point) == nth and seen[-1] == point:
+            raise _PowerCut(point)
+
+    monkeypatch.setattr(feduv_runner, "crash_point", hook)
+
+
+def _without_seconds(results: dict) -> dict:
+    return {label: {k: v for k, v in row.items() if k != "real_seconds"} for label, row in results.items()}
+
+
+def test_a_method_cut_off_mid_way_resumes_from_its_last_round_to_the_uninterrupted_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = with_overrides(TINY, methods=("fedaws", "feduv"), rounds=4)
+    deployed: list[tuple[str, np.ndarray]] = []
+    real_deploy = UvServer.deploy
+
+    async def deploy(self: UvServer, comm: object, q: float) -> object:
+        deployed.append((self.method, self.weights))
+        return await real_deploy(self, comm, q)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(UvServer, "deploy", deploy)
+    whole = run_feduv(cfg, tmp_path / "whole")
+    final = dict(deployed)
+    deployed.clear()
+    seen: list[str] = []
+    _cut_at(monkeypatch, "metrics:3", seen, nth=2)  # the second method's round 3, not checkpointed
+    out = tmp_path / "cut"
+    with pytest.raises(_PowerCut):
+        run_feduv(cfg, out)
+    assert sorted(p.name for p in (out / "methods").iterdir()) == [
+        "fedaws.json",
+        "fedaws.roc.npz",
+        "feduv-127.checkpoint.npz",
+    ], "the finished method's checkpoint is gone; the one in training has its own"
+    seen.clear()
+    deployed.clear()
+    resumed = run_feduv(cfg, out, resume=True)
+    assert seen == ["round:3", "metrics:3", "round:4", "metrics:4"], "only the rounds after the checkpoint"
+    assert [m for m, _ in deployed] == ["feduv"]
+    np.testing.assert_array_equal(deployed[0][1], final["feduv"])
+    assert _without_seconds(resumed["methods"]) == _without_seconds(whole["methods"])
+    assert (out / "metrics.jsonl").read_text() == (tmp_path / "whole" / "metrics.jsonl").read_text()
+    assert sorted(p.name for p in (out / "methods").iterdir()) == [
+        f"{m}{ext}" for m in ("fedaws", "feduv-127") for ext in (".json", ".roc.npz")
+    ]
+
+
+def test_worker_processes_resume_their_method_from_its_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = with_overrides(TINY, methods=("softmax", "feduv"), rounds=3)
+    whole = run_feduv(cfg, tmp_path / "whole")
+    out = tmp_path / "cut"
+    _cut_at(monkeypatch, "round:2", [])  # the first method after its round 1
+    with pytest.raises(_PowerCut):
+        run_feduv(cfg, out)
+    assert load_checkpoint(out / "methods", name="softmax.checkpoint.npz").round == 1
+    resumed = run_feduv(with_overrides(cfg, workers=2), out, resume=True)
+    assert _without_seconds(resumed["methods"]) == _without_seconds(whole["methods"])
+    assert not list((out / "methods").glob("*.checkpoint.npz"))
+
+
+def test_a_method_checkpoint_of_other_settings_is_not_resumed(tmp_path: Path, monkeypatch) -> None:
+    cfg = with_overrides(TINY, methods=("softmax",), rounds=3)
+    _cut_at(monkeypatch, "round:3", [])
+    with pytest.raises(_PowerCut):
+        run_feduv(cfg, tmp_path / "a")
+    _cut_at(monkeypatch, "round:3", [])
+    with pytest.raises(_PowerCut):
+        run_feduv(with_overrides(cfg, seed=1), tmp_path / "b")
+    (tmp_path / "b" / "methods" / "softmax.checkpoint.npz").replace(
+        tmp_path / "a" / "methods" / "softmax.checkpoint.npz"
+    )
+    with pytest.raises(ConfigError, match=r"softmax\.checkpoint\.npz \(round 2\) was trained under another"):
+        run_feduv(cfg, tmp_path / "a", resume=True)

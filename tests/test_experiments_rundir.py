@@ -26,6 +26,7 @@ from fedveil.cli import main
 from fedveil.errors import ConfigError
 from fedveil.experiments import runner
 from fedveil.experiments.checkpoint import (
+    CHECKPOINT,
     CRASH_ENV,
     Checkpoint,
     load_checkpoint,
@@ -343,9 +344,39 @@ def test_ctrl_c_stops_each_system_at_the_end_of_a_round_with_the_command_that_co
     code, err = interrupt(cmd, ready, settle=settle)
     assert code == 2 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
     last = err.strip().splitlines()[-1]
-    assert "interrupted" in last and "again from" in last, "it says what is kept and what starts again"
+    assert "interrupted" in last, last
+    if system in ("aiot", "feduv"):  # the method in training goes on from its last round's checkpoint
+        assert "continues after round" in last and "checkpoint" in last, last
+    else:
+        assert "again from" in last or "checkpoint" in last, "it says what is kept and where it goes on"
     assert last.endswith("continue with: " + shlex.join(["fedveil", *cmd, "--resume"])), last
     assert "stops at the end of this round" in err, "the first Ctrl-C says what it does"
+
+
+@pytest.mark.parametrize("system, point", [("feduv", "round:3"), ("aiot", "metrics:2")])
+def test_feduv_and_aiot_runs_killed_mid_method_resume_to_the_uninterrupted_results(
+    tmp_path: Path, system: str, point: str
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(AIOT.replace("rounds: 100000", "rounds: 3"))
+    feduv = ["feduv", "run", *FEDUV, "--methods", "softmax,feduv", "--rounds", "4", "--no-progress"]
+    cmd = ["aiot", "run", str(config)] if system == "aiot" else feduv
+    assert main([*cmd, "--out", str(tmp_path / "whole")]) == 0
+    args = [*cmd, "--out", str(tmp_path / "cut")]
+    crashed = _cli(*args, env={CRASH_ENV: point})  # SIGKILLed in the first method in training
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    resumed = _cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    whole, cut = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("whole", "cut"))
+    if system == "aiot":
+        assert cut["results"] == whole["results"] and not (tmp_path / "cut" / CHECKPOINT).exists()
+        return
+    for row in [*whole["methods"].values(), *cut["methods"].values()]:
+        del row["real_seconds"]
+    assert cut["methods"] == whole["methods"]
+    metrics = [(tmp_path / d / "metrics.jsonl").read_text() for d in ("whole", "cut")]
+    assert metrics[1] == metrics[0], "every round line once, as the uninterrupted run wrote them"
+    assert not list((tmp_path / "cut" / "methods").glob("*checkpoint*")), "finished methods keep none"
 
 
 # --- a full or read-only disk ---------------------------------------------------------------------------

@@ -24,9 +24,16 @@ selection, projector initialisation and batch order change with the trial's seed
 mean +- standard deviation, as the paper's tables are. The run resumes (``resume``): the pre-trained
 weights (safetensors) and every finished (method, trial) are saved in the output folder as they
 complete; a folder that holds anything is refused otherwise, unless ``overwrite`` clears it first.
-Ctrl-C stops at the end of the round in progress
-(:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`); the (method, trial) it was in starts again
-on resume (its devices' private projectors are not checkpointed).
+The (method, trial) in training is checkpointed after every round (``checkpoint.npz``,
+:func:`~fedveil.experiments.checkpoint.save_checkpoint`): the server's weights and generator, the
+runtime's and every device's generator, and each simulated device's private projector and warm-up
+counter (:meth:`~fedveil.protocols.projector.ProjectorClients.state_dict`; a real device keeps its
+projector on its own disk and it never travels: this checkpoint is the simulation's, written on the
+machine that simulates the devices), with the digest of the settings; ``solo`` also keeps the scores of
+its devices already done. A resumed run continues it from its last round, only under the same settings,
+and reaches the uninterrupted run's model; the checkpoint is removed once the (method, trial)'s scores
+are in ``results.json``. Ctrl-C (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`) stops at the
+end of the round in progress, after its checkpoint.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +53,22 @@ from fedveil.core.atomic import atomic_write
 from fedveil.core.provenance import code_identity
 from fedveil.data.faces import FaceImages, face_devices, synthetic_faces
 from fedveil.errors import ConfigError, RunInterrupted
-from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
+from fedveil.experiments.checkpoint import (
+    CHECKPOINT,
+    Checkpoint,
+    StopAtRoundEnd,
+    check_checkpoint_identity,
+    config_digest,
+    crash_point,
+    load_checkpoint,
+    prepare_run_dir,
+    save_checkpoint,
+)
 from fedveil.experiments.config import build_dataclass, read_yaml_mapping, refuse_keys_without_effect
 from fedveil.experiments.faces_domain import embed_faces, train_faces, verification
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.weights import load_weights, save_weights
+from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelServer
 from fedveil.protocols.local import LocalOptimizer
 from fedveil.protocols.projector import (
@@ -147,6 +165,51 @@ def evaluate_faces(model: torch.nn.Module, faces: FaceImages, reference: np.ndar
     return row
 
 
+@dataclass
+class _RoundCheckpoints:
+    """Where the (method, trial) ``key`` in training checkpoints its rounds (module docstring):
+    ``out/checkpoint.npz`` under the settings' ``digest``. ``previous`` is the checkpoint a resumed run
+    found; it continues ``key`` only when it names it. ``part`` numbers the federations of one
+    (method, trial) (``solo``: one per device) and ``rows`` holds the scores of the parts done."""
+
+    out: Path
+    digest: str
+    previous: Checkpoint | None
+    key: str = ""
+    part: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    saved: bool = False
+
+    def begin(self, key: str) -> None:
+        """Start (method, trial) ``key``: the parts a checkpoint of it holds count as done."""
+        self.key, self.part, self.saved = key, 0, False
+        ours = self.previous is not None and self.previous.meta.get("key") == key
+        self.rows = list(self.previous.meta["rows"]) if ours and self.previous is not None else []
+
+    def resumed(self) -> Checkpoint | None:
+        """The checkpoint of the part in training, if a resumed run found one."""
+        previous = self.previous
+        if previous is None or previous.meta.get("key") != self.key or previous.meta.get("part") != self.part:
+            return None
+        return previous
+
+    def save(self, rnd: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Checkpoint round ``rnd`` of the part in training."""
+        extra = {**meta, "key": self.key, "part": self.part, "rows": self.rows, "config_sha256": self.digest}
+        save_checkpoint(self.out, Checkpoint(rnd, arrays, extra))
+        self.saved = True
+
+    def finished(self) -> None:
+        """The (method, trial) begun last is in ``results.json``: its checkpoint goes (one of another
+        (method, trial) stays)."""
+        if self.previous is not None and self.previous.meta.get("key") == self.key:
+            self.previous = None
+            self.saved = True
+        if self.saved:
+            (self.out / CHECKPOINT).unlink(missing_ok=True)
+        self.saved = False
+
+
 def _federate(
     run: AiotRun,
     state: dict[str, torch.Tensor] | None,
@@ -159,9 +222,11 @@ def _federate(
     desc: str,
     progress: bool,
     stop: StopAtRoundEnd | None = None,
+    checkpoints: _RoundCheckpoints | None = None,
 ) -> MobileFaceNet:
     """The projector protocol over ``devices`` from the pre-trained ``state`` (``None``: random);
-    ``stop`` ends it at the end of a round after a Ctrl-C."""
+    ``stop`` ends it at the end of a round after a Ctrl-C, after the round's checkpoint
+    (``checkpoints``, which also continues a resumed part from its last round)."""
     torch.manual_seed(seed)
     backbone = MobileFaceNet(image_size=run.size, width=run.width)
     if state is not None:
@@ -187,13 +252,44 @@ def _federate(
     runtime = SimulationRuntime(pool, rng=np.random.default_rng(seed + 1))
     server = ModelServer(cfg, flat, np.random.default_rng(seed + 2), plan=plan, initial=flat.initial())
     server.setup(runtime)
+    previous = checkpoints.resumed() if checkpoints is not None else None
+    if previous is not None:
+        server.load_state_dict(previous.arrays, previous.meta["server"])
+        pool.load_state_dict(previous.arrays, previous.meta["devices"])
+        restore_pool_rngs(pool, previous.meta["pool"])
+        runtime.rng.bit_generator.state = previous.meta["runtime_rng"]
+    first = previous.round + 1 if previous is not None else 1
+
+    def save(rnd: int) -> None:
+        assert checkpoints is not None
+        arrays, meta = server.state_dict()
+        devices, device_meta = pool.state_dict()
+        extra = {
+            "server": meta,
+            "devices": device_meta,
+            "pool": pool_rng_states(pool),
+            "runtime_rng": runtime.rng.bit_generator.state,
+        }
+        checkpoints.save(rnd, {**arrays, **devices}, extra)
 
     async def go() -> None:
-        bar = tqdm(range(1, rounds + 1), desc=desc, unit="round", disable=not progress, leave=False)
+        bar = tqdm(
+            range(first, rounds + 1),
+            desc=desc,
+            unit="round",
+            disable=not progress,
+            leave=False,
+            initial=first - 1,
+            total=rounds,
+        )
         for rnd in bar:
+            crash_point("round", rnd)
             report = await server.run_round(rnd, runtime)
             if report.loss is not None:
                 bar.set_postfix(loss=f"{report.loss:.2f}")
+            crash_point("metrics", rnd)
+            if checkpoints is not None:
+                save(rnd)
             if stop is not None and rnd < rounds:
                 stop.check()  # after the last round the (method, trial) is finished and saved first
 
@@ -211,12 +307,20 @@ def _method(
     test: tuple[FaceImages, np.ndarray],
     progress: bool,
     stop: StopAtRoundEnd | None = None,
+    checkpoints: _RoundCheckpoints | None = None,
 ) -> dict[str, Any]:
-    """One (method, trial) of the module docstring: its scores on the held-out identities."""
+    """One (method, trial) of the module docstring: its scores on the held-out identities; its rounds are
+    checkpointed in ``checkpoints`` (which :meth:`_RoundCheckpoints.begin` has started)."""
     seed = run.seed + 1000 * (trial + 1)
     devices = face_devices(train, run.identities_per_device)
     base = ProjectorSettings(warmup_batches=run.warmup_batches)
-    common = {"seed": seed, "progress": progress, "desc": f"{method} trial {trial + 1}", "stop": stop}
+    common = {
+        "seed": seed,
+        "progress": progress,
+        "desc": f"{method} trial {trial + 1}",
+        "stop": stop,
+        "checkpoints": checkpoints,
+    }
     federated = {"rounds": run.rounds, "clients_per_round": run.clients_per_round}
     variants = {
         "ours": (state, base),
@@ -239,8 +343,10 @@ def _method(
         chosen = np.random.default_rng(seed).choice(
             len(usable), min(run.solo_devices, len(usable)), replace=False
         )
-        rows = []
-        for k in sorted(chosen):
+        rows = checkpoints.rows if checkpoints is not None else []
+        for k in sorted(chosen)[len(rows) :]:
+            if checkpoints is not None:
+                checkpoints.part = len(rows)
             alone = devices.subset([usable[k]])
             model = _federate(
                 run, state, alone, settings=base, rounds=run.rounds, clients_per_round=1, **common
@@ -286,16 +392,18 @@ def run_aiot(
     out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     torch.set_num_threads(run.threads)
     settings = asdict(run)
+    free = ("trials", "methods", "threads")  # a (method, trial)'s numbers do not depend on them
+    digest = config_digest(json.dumps({k: v for k, v in settings.items() if k not in free}, sort_keys=True))
+    previous = load_checkpoint(out) if resume else None
+    if previous is not None:
+        check_checkpoint_identity(out, previous, digest)
+    checkpoints = _RoundCheckpoints(out, digest, previous)
     path = out / "results.json"
     record: dict[str, Any] = {"run": settings, "code": code_identity(), "results": {}}
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
-        fixed = {k: v for k, v in saved.get("run", {}).items() if k not in ("trials", "methods", "threads")}
-        mine = {
-            k: v
-            for k, v in json.loads(json.dumps(settings)).items()
-            if k not in ("trials", "methods", "threads")
-        }
+        fixed = {k: v for k, v in saved.get("run", {}).items() if k not in free}
+        mine = {k: v for k, v in json.loads(json.dumps(settings)).items() if k not in free}
         if fixed != mine:
             changed = sorted(k for k in set(fixed) | set(mine) if fixed.get(k) != mine.get(k))
             raise ConfigError(
@@ -361,12 +469,24 @@ def run_aiot(
                 if method == "pretrained":
                     results[key] = evaluate_faces(model, *test)
                 else:
-                    results[key] = _method(method, run, trial, state, train, test, progress, stop)
+                    checkpoints.begin(key)
+                    results[key] = _method(
+                        method, run, trial, state, train, test, progress, stop, checkpoints
+                    )
                 record["summary"] = summarise(results)
                 _write_json(path, record)
+                if method != "pretrained":
+                    checkpoints.finished()
                 stop.check()
     except KeyboardInterrupt:
-        again = f"{key} starts again from its first round" if key not in results else "the rest follows"
+        ckpt = load_checkpoint(out) if key not in results else None
+        again = (
+            f"{key} continues after round {ckpt.round}, whose checkpoint is in {out}"
+            if ckpt is not None and ckpt.meta.get("key") == key
+            else f"{key} starts again from its first round"
+            if key not in results
+            else "the rest follows"
+        )
         raise RunInterrupted(
             f"AIoT run {run.name!r} interrupted; its {len(results)} finished (method, trial)s are kept in "
             f"{path}, and {again}"

@@ -53,20 +53,21 @@ class Checkpoint:
     meta: dict[str, Any]
 
 
-def save_checkpoint(directory: str | Path, ckpt: Checkpoint) -> Path:
-    """Write ``directory/checkpoint.npz`` atomically."""
+def save_checkpoint(directory: str | Path, ckpt: Checkpoint, *, name: str = CHECKPOINT) -> Path:
+    """Write ``directory/checkpoint.npz`` atomically (``name``: another file name, for a run whose parts
+    train side by side, each with its own checkpoint)."""
     out = Path(directory)
     if {"meta", "round"} & set(ckpt.arrays):
         raise ConfigError("checkpoint arrays may not be named 'meta' or 'round'")
     meta = json.dumps({"round": ckpt.round, **ckpt.meta}, sort_keys=True).encode("utf-8")
-    with atomic_file(out / CHECKPOINT) as fh:
+    with atomic_file(out / name) as fh:
         np.savez(fh, meta=np.frombuffer(meta, dtype=np.uint8), round=np.int64(ckpt.round), **ckpt.arrays)
-    return out / CHECKPOINT
+    return out / name
 
 
-def load_checkpoint(directory: str | Path) -> Checkpoint | None:
-    """The checkpoint in ``directory``, or None if there is none (never unpickles)."""
-    path = Path(directory) / CHECKPOINT
+def load_checkpoint(directory: str | Path, *, name: str = CHECKPOINT) -> Checkpoint | None:
+    """The checkpoint ``name`` in ``directory``, or None if there is none (never unpickles)."""
+    path = Path(directory) / name
     if not path.exists():
         return None
     try:
@@ -174,14 +175,14 @@ def prepare_run_dir(directory: str | Path, *, resume: bool, overwrite: bool) -> 
     return out
 
 
-def check_checkpoint_identity(out: Path, ckpt: Checkpoint, digest: str) -> None:
-    """Refuse to continue ``ckpt`` under a config whose :func:`config_digest` is not the one it was
-    trained under (or a checkpoint that names none)."""
+def check_checkpoint_identity(out: Path, ckpt: Checkpoint, digest: str, *, name: str = CHECKPOINT) -> None:
+    """Refuse to continue ``ckpt`` (the file ``name`` in ``out``) under a config whose
+    :func:`config_digest` is not the one it was trained under (or a checkpoint that names none)."""
     theirs = ckpt.meta.get("config_sha256")
     if theirs != digest:
         why = "names no config" if theirs is None else "was trained under another config"
         raise ConfigError(
-            f"{out / CHECKPOINT} (round {ckpt.round}) {why}: it is not this run's and is not resumed; "
+            f"{out / name} (round {ckpt.round}) {why}: it is not this run's and is not resumed; "
             "resume with the config it was started with, or start afresh with --overwrite"
         )
 

@@ -7,7 +7,8 @@ writes a run directory: ``config.json`` (the resolved settings), ``metrics.jsonl
 and method, then one per evaluation), ``results.json`` (AUC and TPR at FPR 1e-1, 1e-2, 1e-3 per method
 and dataset type, beside the paper's AUCs, and the shape checks of Sec. 6.3), ``roc.png`` (Fig. 2:
 one panel per dataset type, all methods), ``loss.png`` (each method's mean local training loss per round)
-and ``methods/`` (each method's outcome as it finishes, so an interrupted run resumes).
+and ``methods/`` (each method's outcome as it finishes, and the checkpoint of each method in training,
+so an interrupted run resumes).
 
 Two scales (:data:`SCALES`):
 
@@ -48,15 +49,26 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from fedveil.core.communicator import Dropout
 from fedveil.core.provenance import code_identity
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv, writer_difficulty_probe
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.eval.uv import DEFAULT_BINS, UV_EVALUATIONS, UvEvaluation, plot_uv_rocs
 from fedveil.eval.verification import Roc
-from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
+from fedveil.experiments.checkpoint import (
+    Checkpoint,
+    StopAtRoundEnd,
+    check_checkpoint_identity,
+    config_digest,
+    crash_point,
+    load_checkpoint,
+    prepare_run_dir,
+    save_checkpoint,
+)
 from fedveil.experiments.config import build_dataclass, read_yaml_mapping, refuse_keys_without_effect
 from fedveil.experiments.plots import plot_series
 from fedveil.models.feduv import build_uv_net
+from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 from fedveil.protocols.feduv import (
     DEFAULT_TARGET_TPR,
     FEDAWS_SPREADOUT_MARGIN,
@@ -386,15 +398,25 @@ def run_feduv(
 
     Nothing finished is lost: each method's outcome is written to ``methods/<label>.json`` and
     ``methods/<label>.roc.npz`` as soon as it ends, and a later call with ``resume`` on the same
-    ``out_dir`` with the same ``cfg`` reuses them and trains only the missing methods. A different
-    ``cfg`` in an existing ``out_dir`` is refused (:class:`ConfigError` naming the settings that differ);
-    without ``resume`` a directory that holds anything is refused, unless ``overwrite`` clears it first.
-    Ctrl-C stops every method in training at the end of its round
-    (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`); they start again on resume.
+    ``out_dir`` with the same ``cfg`` reuses them and trains only the missing methods. A method in
+    training in the simulation is checkpointed after every round in ``methods/<label>.checkpoint.npz``
+    (its own file, so methods trained side by side never share one; written atomically by
+    :func:`~fedveil.experiments.checkpoint.save_checkpoint`): the FedAvg engine's weights and generator,
+    the runtime's and every user's generator, the round lines and the traffic so far, and the digest of
+    the settings. Users' codewords and classes are not in it: set-up draws them again from the same
+    seeded generators. A resumed run continues each method from its last checkpointed round, only under
+    the same settings, and reaches the uninterrupted run's model; a method's checkpoint is removed once
+    its outcome is written. Over the ``network`` the users' generators live in the agents: a method
+    interrupted there starts again from its first round. A different ``cfg`` in an existing ``out_dir``
+    is refused (:class:`ConfigError` naming the settings that differ); without ``resume`` a directory
+    that holds anything is refused, unless ``overwrite`` clears it first. Ctrl-C stops every method in
+    training at the end of its round, after its checkpoint
+    (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`).
     """
     torch.set_num_threads(cfg.threads)
     out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     _claim_run_dir(out, cfg)
+    digest = _digest(cfg)
     say = progress or (lambda _line: None)
     started = time.perf_counter()
     data = generate_mnist_uv(cfg.data_config())
@@ -424,6 +446,7 @@ def run_feduv(
 
     def finished(outcome: _Outcome) -> None:
         _save_outcome(out, outcome)
+        (out / "methods" / _checkpoint_name(outcome.label)).unlink(missing_ok=True)
         outcomes[outcome.label] = outcome
         aucs = ", ".join(f"{kind} {ev['auc']:.4f}" for kind, ev in outcome.row["eval"].items())
         with tqdm.external_write_mode():
@@ -445,17 +468,26 @@ def run_feduv(
                             network=network,
                             out=out,
                             stop=stop,
+                            checkpoints=None if network is not None else (out, digest),
                         )
                     )
                     stop.check()
             else:
-                _train_in_pool(cfg, todo, code_cache_dir, bar.update, finished, stop)
+                _train_in_pool(cfg, todo, code_cache_dir, bar.update, finished, stop, (out, digest))
     except KeyboardInterrupt:
-        left = [label for label, _, _ in cfg.runs() if label not in outcomes]
+        left = []
+        for label, _, _ in cfg.runs():
+            ckpt = (
+                None if label in outcomes else load_checkpoint(out / "methods", name=_checkpoint_name(label))
+            )
+            if ckpt is not None:
+                left.append(f"{label} continues after round {ckpt.round}")
+            elif label not in outcomes:
+                left.append(f"{label} starts again from its first round")
         raise RunInterrupted(
             f"FedUV run {cfg.name!r} interrupted; its finished methods "
-            f"({', '.join(outcomes) or 'none'}) are kept in {out / 'methods'}, and "
-            f"{', '.join(left)} start again from their first round"
+            f"({', '.join(outcomes) or 'none'}) and the checkpoints of the others are kept in "
+            f"{out / 'methods'}: {', '.join(left)}"
         ) from None
     curves: dict[str, dict[str, Roc]] = {kind: {} for kind in UV_EVALUATIONS}
     with open(out / "metrics.jsonl", "w", encoding="utf-8") as fh:
@@ -514,6 +546,37 @@ def _claim_run_dir(out: Path, cfg: FeduvRunConfig) -> None:
     path.write_text(json.dumps(mine, indent=2) + "\n", encoding="utf-8")
 
 
+def _digest(cfg: FeduvRunConfig) -> str:
+    """The identity of ``cfg``'s numbers (:func:`~fedveil.experiments.checkpoint.config_digest`):
+    every setting but ``workers`` and ``threads``."""
+    kept = {k: v for k, v in _config_dict(cfg).items() if k not in ("workers", "threads")}
+    return config_digest(json.dumps(kept, sort_keys=True))
+
+
+def _checkpoint_name(label: str) -> str:
+    """The file in ``methods/`` that checkpoints the rounds of method ``label``."""
+    return f"{label}.checkpoint.npz"
+
+
+_STAT_FIELDS = ("bytes_down", "bytes_up", "messages_down", "messages_up", "sim_seconds", "bytes_down_coded")
+
+
+def _stats_state(runtime: Any) -> dict[str, Any]:
+    """The simulation runtime's traffic counters, JSON-ready (a checkpoint's)."""
+    stats = runtime.stats()
+    out: dict[str, Any] = {name: getattr(stats, name) for name in _STAT_FIELDS}
+    out["dropouts"] = [[d.client, d.phase, d.reason] for d in stats.dropouts]
+    return out
+
+
+def _restore_stats(runtime: Any, state: dict[str, Any]) -> None:
+    """Set the runtime's traffic counters to ``state`` (:func:`_stats_state`)."""
+    stats = runtime.stats()
+    for name in _STAT_FIELDS:
+        setattr(stats, name, state[name])
+    stats.dropouts[:] = [Dropout(*d) for d in state["dropouts"]]
+
+
 @dataclass(frozen=True)
 class _Outcome:
     """One method's run: its label, ``results.json`` row, ``metrics.jsonl`` lines and ROC curves."""
@@ -570,16 +633,21 @@ def _train_in_pool(
     advance: Callable[[int], object],
     finished: Callable[[_Outcome], None],
     stop: StopAtRoundEnd,
+    checkpoints: tuple[Path, str],
 ) -> None:
     """Train ``runs`` in ``cfg.workers`` spawned processes; ``advance(n)`` as rounds complete there,
-    ``finished`` as each run ends (in completion order). After a Ctrl-C here (``stop``) or in a worker,
-    every worker stops at the end of its round and no further run starts."""
+        ``finished`` as each run ends (in completion order). After a Ctrl-C here (``stop``) or in a worker,
+        every worker stops at the end of its round and no further run starts. Each run checkpoints its rounds
+    in its own file (``checkpoints``: the run directory and the settings' digest, :func:`_train_one`)."""
     spawn = multiprocessing.get_context("spawn")
     with spawn.Manager() as manager:
         ticks = manager.Queue()
         halt = manager.Event()
         with ProcessPoolExecutor(max_workers=min(cfg.workers, len(runs)), mp_context=spawn) as pool:
-            pending = {pool.submit(_train_in_worker, cfg, *run, code_cache_dir, ticks, halt) for run in runs}
+            pending = {
+                pool.submit(_train_in_worker, cfg, *run, code_cache_dir, ticks, halt, checkpoints)
+                for run in runs
+            }
             try:
                 while pending:
                     done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -612,6 +680,7 @@ def _train_in_worker(
     code_cache_dir: str | None,
     ticks: Any,
     halt: Any,
+    checkpoints: tuple[Path, str],
 ) -> _Outcome:
     """:func:`_train_one` in a worker process, on data generated there from ``cfg``; rounds are reported
     on ``ticks`` in blocks of ten; it stops at the end of a round once ``halt`` (an event) is set or this
@@ -620,7 +689,16 @@ def _train_in_worker(
     data = generate_mnist_uv(cfg.data_config())
     with StopAtRoundEnd(f"FedUV {label}", also=halt.is_set) as stop:
         return _train_one(
-            cfg, label, method, code_length, data, code_cache_dir, ticks.put, tick_every=10, stop=stop
+            cfg,
+            label,
+            method,
+            code_length,
+            data,
+            code_cache_dir,
+            ticks.put,
+            tick_every=10,
+            stop=stop,
+            checkpoints=checkpoints,
         )
 
 
@@ -637,11 +715,13 @@ def _train_one(
     network: Any = None,
     out: Path | None = None,
     stop: StopAtRoundEnd | None = None,
+    checkpoints: tuple[Path, str] | None = None,
 ) -> _Outcome:
     """Train, deploy and evaluate one method; ``advance(n)`` after every ``tick_every`` rounds.
     ``network`` (a :class:`fedveil.experiments.network_run.NetworkPlan`) runs the users as device agents
     over gRPC + mutual TLS instead of in this process; ``stop`` ends it at the end of a round after a
-    Ctrl-C."""
+    Ctrl-C. ``checkpoints`` (the run directory and the settings' digest, simulation only) checkpoints
+    every round in ``methods/<label>.checkpoint.npz`` and continues from the one there (:func:`run_feduv`)."""
     server, pool = _build(cfg, method, code_length, data, code_cache_dir)
     runtime: Any
     if network is None:
@@ -665,11 +745,47 @@ def _train_one(
         finally:
             await network.stop(runtime)
 
+    name = _checkpoint_name(label)
+
+    def save(rnd: int) -> None:
+        assert checkpoints is not None
+        arrays, meta = server.engine.state_dict()
+        extra = {
+            "server": meta,
+            "pool": pool_rng_states(pool),
+            "runtime_rng": runtime.rng.bit_generator.state,
+            "stats": _stats_state(runtime),
+            "lines": lines,
+            "method": label,
+            "config_sha256": checkpoints[1],
+        }
+        save_checkpoint(checkpoints[0] / "methods", Checkpoint(rnd, arrays, extra), name=name)
+
+    def resume() -> int:
+        """Continue from the method's checkpoint (after set-up, which draws codewords and classes again
+        as the first run did); the first round to train."""
+        previous = None if checkpoints is None else load_checkpoint(checkpoints[0] / "methods", name=name)
+        if previous is None:
+            return 1
+        assert checkpoints is not None
+        check_checkpoint_identity(checkpoints[0] / "methods", previous, checkpoints[1], name=name)
+        server.engine.load_state_dict(previous.arrays, previous.meta["server"])
+        restore_pool_rngs(pool, previous.meta["pool"])
+        runtime.rng.bit_generator.state = previous.meta["runtime_rng"]
+        _restore_stats(runtime, previous.meta["stats"])
+        lines.extend(previous.meta["lines"])
+        step(previous.round)
+        return previous.round + 1
+
     async def train() -> dict[str, UvEvaluation]:
         await server.setup(runtime)
-        for rnd in range(1, cfg.rounds + 1):
+        for rnd in range(resume(), cfg.rounds + 1):
+            crash_point("round", rnd)
             report = await server.run_round(rnd, runtime)
             lines.append({"method": label, **report.as_dict()})
+            crash_point("metrics", rnd)
+            if checkpoints is not None:
+                save(rnd)
             if rnd % tick_every == 0 or rnd == cfg.rounds:
                 step(rnd % tick_every or tick_every)
             if stop is not None and rnd < cfg.rounds:

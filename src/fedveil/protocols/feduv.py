@@ -48,7 +48,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -439,6 +439,17 @@ class UvClients:
     def client_ids(self) -> list[ClientId]:
         """Every user of the training split."""
         return self.ids
+
+    def rng_states(self) -> dict[ClientId, Any]:
+        """Every user's generator state, for a resumed simulation
+        (:func:`~fedveil.protocols.common.pool_rng_states`). A user's codeword is not among what is
+        saved: set-up draws it again from the same seeded generator."""
+        return {cid: user.rng.bit_generator.state for cid, user in self._users.items()}
+
+    def set_rng_states(self, states: Mapping[ClientId, Any]) -> None:
+        """Set the users' generators to ``states`` (from :meth:`rng_states`)."""
+        for cid, state in states.items():
+            self._users[cid].rng.bit_generator.state = state
 
     def handle_batch(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
         """Dispatch each user's message to its phase; several users of one phase are handled together."""

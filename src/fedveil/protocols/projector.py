@@ -37,6 +37,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -179,6 +180,39 @@ class ProjectorClients:
     def projector_weights(self, cid: ClientId) -> np.ndarray:
         """Device ``cid``'s projector (a copy; for the device's own use and the spy test)."""
         return self.projectors[cid].weight.detach().numpy().copy()
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """What the simulated devices keep across rounds, for a resumed simulation: each device's
+        projector (arrays ``projector.<i>.<name>``, ``i`` its position in :meth:`client_ids`) and warm-up
+        counter (``batches_done``); their generators are the pool's ``rngs``
+        (:func:`~fedveil.protocols.common.pool_rng_states`). A real device keeps its own projector on its
+        own disk and it never travels; this is the simulation's state, saved on the machine that
+        simulates the devices."""
+        arrays = {
+            f"projector.{i}.{name}": t.detach().numpy().copy()
+            for i, cid in enumerate(self.ids)
+            for name, t in self.projectors[cid].state_dict().items()
+        }
+        return arrays, {"batches_done": [self.batches_done[cid] for cid in self.ids]}
+
+    def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (every device's projector, shapes checked)."""
+        done = meta.get("batches_done")
+        if not isinstance(done, list) or len(done) != len(self.ids):
+            raise ConfigError(
+                f"checkpoint holds the warm-up counters of {len(done) if isinstance(done, list) else 0} "
+                f"devices, this simulation has {len(self.ids)}: it is another run's"
+            )
+        for i, cid in enumerate(self.ids):
+            projector = self.projectors[cid]
+            state = {}
+            for name, t in projector.state_dict().items():
+                key = f"projector.{i}.{name}"
+                if key not in arrays or arrays[key].shape != tuple(t.shape):
+                    raise ConfigError(f"checkpoint has no projector {key} of shape {tuple(t.shape)}")
+                state[name] = torch.from_numpy(np.array(arrays[key], dtype=np.float32))
+            projector.load_state_dict(state)
+            self.batches_done[cid] = int(done[i])
 
     def handle_batch(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
         """Local fine-tuning for every addressed device."""
