@@ -21,22 +21,54 @@ For each layer (or block of layers) ``l`` the server's enclave
 
 Rounds are numbered across the whole run (layer after layer), so a record sealed for one layer's round
 can never be opened as another's. Numpy only: the enclave process does not import torch.
+
+**Sealed storage** (a checkpoint of the layer in training, :meth:`LayerwiseState.seal`): after a round
+the enclave encrypts what it needs to continue the stage (the stage, ``theta_l`` and the last applied
+round; the enclave keeps no optimiser state: it averages, and the clients' optimisers start afresh each
+round) under a *sealing key* bound to its measurement, and the host stores only the sealed blob. An SGX
+enclave gets that key from the CPU (``EGETKEY``, MRENCLAVE policy): it never leaves the processor. The
+emulation derives it as ``HKDF-SHA256(secret, salt=measurement, info=b"fedveil/enclave-seal/v1")`` from
+a secret the host hands in (a run directory's ``sealing.key``, mode 0600): it is only as safe as that
+file, since whoever reads it can derive the key. The blob is ``b"FVS1" | measurement (32) | nonce (12)
+| AES-256-GCM(state)``, authenticated with the stage and round it was sealed after, so an enclave of
+another measurement (changed code or launch config) refuses it by name, and a changed byte, another
+run's secret or another round's blob fails authentication.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_upload
+from fedveil.enclave.channel import canonical_json, decode_array, encode_array, pack_frame, unpack_frame
 from fedveil.errors import CodecError, ValidationError
 
 INITS = ("uniform", "zeros", "ones")
 MAX_SPEC_PARAMS = 2**31
 """A layer + classifier of more than 2**31 values is refused (8 GiB of float32, beyond any TEE)."""
+SEAL_MAGIC = b"FVS1"
+SEAL_INFO = b"fedveil/enclave-seal/v1"
+SEAL_SECRET_BYTES = 32
+_SEAL_NONCE_BYTES = 12
+
+
+def sealing_key(secret: bytes, measurement: bytes) -> bytes:
+    """The emulated sealing key (module docstring): HKDF-SHA256 of the host's ``secret`` (32 bytes), salted
+    with the enclave's 32-byte ``measurement``."""
+    if len(secret) != SEAL_SECRET_BYTES or len(measurement) != 32:
+        raise ValidationError(
+            f"a sealing secret of {len(secret)} bytes and a measurement of {len(measurement)}: need 32 and 32"
+        )
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=measurement, info=SEAL_INFO).derive(secret)
 
 
 @dataclass(frozen=True)
@@ -200,6 +232,50 @@ class LayerwiseState:
         self.last_round = rnd
         return rejected, float(total[-1])
 
+    def seal(self, stage: int, rnd: int, secret: bytes, measurement: bytes) -> bytes:
+        """The state of ``stage`` in training after round ``rnd``, sealed (module docstring)."""
+        theta = self.current(stage)
+        header = {"stage": stage, "round": rnd, "last_round": self.last_round}
+        nonce = os.urandom(_SEAL_NONCE_BYTES)
+        sealed = AESGCM(sealing_key(secret, measurement)).encrypt(
+            nonce, pack_frame(header, [encode_array(theta)]), _seal_context(stage, rnd, measurement)
+        )
+        return SEAL_MAGIC + measurement + nonce + sealed
+
+    def unseal(self, stage: int, rnd: int, secret: bytes, measurement: bytes, blob: bytes) -> int:
+        """Continue ``stage`` from the state :meth:`seal` sealed after round ``rnd`` (on this enclave's
+        ``measurement``, under ``secret``); returns its number of values. The enclave must hold no later
+        stage; a blob of another measurement, round or secret, or changed, is a :class:`ValidationError`."""
+        head = len(SEAL_MAGIC) + 32 + _SEAL_NONCE_BYTES
+        if len(blob) < head or blob[: len(SEAL_MAGIC)] != SEAL_MAGIC:
+            raise ValidationError(f"a sealed layer starts with {SEAL_MAGIC!r}: this blob is not one")
+        theirs = blob[len(SEAL_MAGIC) : len(SEAL_MAGIC) + 32]
+        if theirs != measurement:
+            raise ValidationError(
+                f"the layer was sealed by an enclave of measurement {theirs.hex()}, this enclave is "
+                f"{measurement.hex()}: a changed enclave cannot unseal it; resume with the enclave code and "
+                "config that sealed it, or start afresh with --overwrite"
+            )
+        try:
+            plain = AESGCM(sealing_key(secret, measurement)).decrypt(
+                blob[head - _SEAL_NONCE_BYTES : head], blob[head:], _seal_context(stage, rnd, measurement)
+            )
+        except InvalidTag:
+            raise ValidationError(
+                f"the sealed layer of stage {stage} after round {rnd} fails authentication: it was changed, "
+                "sealed after another round, or under another run directory's sealing.key"
+            ) from None
+        header, blobs = unpack_frame(plain)
+        if self.stage is not None and stage <= self.stage:
+            raise ValidationError(
+                f"layer stage {stage} does not follow stage {self.stage}: stages only advance"
+            )
+        self.stage = stage
+        self.theta = np.array(decode_array(blobs[0], dtype="<f4", ndim=1))
+        self.last_round = int(header["last_round"])
+        self.kept = None
+        return int(self.theta.size)
+
     def release(self, stage: int, keep: int) -> np.ndarray:
         """End ``stage``: return ``theta_l^0`` for the REE, all but its last ``keep`` values, which stay
         inside (PPFL Sec. 4.1)."""
@@ -209,6 +285,11 @@ class LayerwiseState:
         self.kept = theta[theta.size - keep :].copy() if keep else None
         self.theta = None
         return theta[: theta.size - keep].copy()
+
+
+def _seal_context(stage: int, rnd: int, measurement: bytes) -> bytes:
+    """What a sealed layer is authenticated with besides its contents."""
+    return SEAL_INFO + measurement + canonical_json({"round": rnd, "stage": stage})
 
 
 def _refusal(values: np.ndarray, max_norm: float, theta: np.ndarray) -> str | None:

@@ -44,6 +44,11 @@ gradients into it, and receive their derivatives directly from it. Every request
     (failures reject that client only) and folds them into the round's sum inside; the ``final`` request
     of a round averages and releases only the clients' mean loss; ``{"stage", "keep"}`` releases the
     trained layer to the host, but for its last ``keep`` values.
+``layer_seal`` / ``layer_unseal``
+    Sealed storage of the layer in training (:meth:`fedveil.enclave.layerwise.LayerwiseState.seal`):
+    ``{"stage", "round"}`` with blob 0 the host's 32-byte sealing secret replies the stage's state sealed
+    under a key bound to this enclave's measurement (computed at launch, as the platform measures it);
+    the same header with blob 1 a sealed blob restores the stage from it in a fresh enclave.
 ``shutdown``
     Ends the enclave process's loop.
 
@@ -101,7 +106,7 @@ from fedveil.enclave.channel import (
 )
 from fedveil.enclave.dp import private_derivatives
 from fedveil.enclave.layerwise import LayerwiseState, ParamSpec
-from fedveil.enclave.measure import EnclaveConfig
+from fedveil.enclave.measure import EnclaveConfig, measure_enclave
 from fedveil.enclave.triplet import TripletResult, loss_and_derivatives, unusable_rows
 from fedveil.errors import CodecError, ConfigError, FedveilError, ValidationError
 
@@ -244,9 +249,12 @@ class EnclaveService:
             "layer_broadcast": self._layer_broadcast,
             "layer_aggregate": self._layer_aggregate,
             "layer_release": self._layer_release,
+            "layer_seal": self._layer_seal,
+            "layer_unseal": self._layer_unseal,
             "shutdown": self._shutdown,
         }
         self._layers = LayerwiseState()
+        self._measurement = b""
 
     @property
     def resident_bytes(self) -> int:
@@ -335,6 +343,7 @@ class EnclaveService:
                 f"{PINNED_CONFIG_ENV} {self.pinned_config.canonical_json().decode()}"
             )
         self.config = config
+        self._measurement = measure_enclave(config).digest
         self._report_key = bytes(blobs[1])
         if config.dp_mode is not None:
             self._dp_rng = np.random.default_rng(config.dp_seed)
@@ -631,3 +640,22 @@ class EnclaveService:
         stage, keep = _int(header, "stage"), _int(header, "keep")
         released = self._layers.release(stage, keep)
         return {"ok": True, "stage": stage, "kept": keep}, [encode_array(released)]
+
+    def _layer_seal(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
+        stage, rnd = _int(header, "stage"), _int(header, "round")
+        if len(blobs) != 1:
+            raise CodecError(f"layer_seal takes one blob, the sealing secret, not {len(blobs)}")
+        self._check_fits(3 * self._layers.resident_bytes, f"sealing layer stage {stage}")
+        sealed = self._layers.seal(stage, rnd, bytes(blobs[0]), self._measurement)
+        return {"ok": True, "stage": stage, "round": rnd}, [sealed]
+
+    def _layer_unseal(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
+        stage, rnd = _int(header, "stage"), _int(header, "round")
+        if len(blobs) != 2:
+            raise CodecError(
+                f"layer_unseal takes two blobs, the sealing secret and the sealed layer, not {len(blobs)}"
+            )
+        self._check_fits(3 * blobs[1].nbytes, f"unsealing layer stage {stage}")
+        count = self._layers.unseal(stage, rnd, bytes(blobs[0]), self._measurement, bytes(blobs[1]))
+        meter.hold(size + 4 * count)
+        return {"ok": True, "stage": stage, "size": count}, []

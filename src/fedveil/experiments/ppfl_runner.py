@@ -1,5 +1,5 @@
-"""``fedveil ppfl run CONFIG``: a PPFL run (004_f28ec6505072f6a8.txt) beside end-to-end FedAvg, in a run
-directory.
+"""``fedveil ppfl run CONFIG``: a PPFL run (PPFL: Privacy-preserving Federated Learning with Trusted
+Execution Environments) beside end-to-end FedAvg, in a run directory.
 
 A YAML config names the data and model (as :class:`~fedveil.experiments.fedavg_images.FedAvgRun` does:
 the same clients, partition and test subset), the devices' TEE sizes, PPFL's settings
@@ -23,20 +23,29 @@ directory holds:
   with ``reach_e2e_rounds``, Table 3's rounds and bytes PPFL took to reach E2E's accuracy);
 - ``accuracy.png``: test accuracy per round, one line per trained layer, and the baseline (Fig. 2).
 
-**Resume.** After each stage but the final one the run directory's ``checkpoint.npz`` (no pickle) holds
-the released values of the finished stages (public: every REE held them in the clear), their reports,
-the round number and E2E's rounds when trained first. ``fedveil ppfl run CONFIG --out DIR --resume``
-releases those stages to the devices again and goes on with the next one; the stage that was training
-when the run stopped starts again (its values lived in the enclave and the devices' TEEs, which do not
-outlive their processes), as does a final stage whose classifier the TEEs keep. The resumed stages draw
-other random cohorts and batches than an uninterrupted run would. The checkpoint is removed once
-``results.json`` is written. A directory that holds anything is refused unless ``--resume`` or
-``--overwrite`` (clear it first) is given.
+**Resume.** After each round the run directory's ``checkpoint.npz`` (no pickle) holds what the run needs
+to go on after it: the released values of the finished stages (public: every REE held them in the clear)
+and their reports; the state of every generator a round draws from (the server's cohorts, the simulated
+network's, each device's batches, torch's global one for dropout masks); and, inside a stage, that
+stage's rounds so far with its layer in training *sealed* by the server's enclave (op ``layer_seal``,
+:mod:`fedveil.enclave.layerwise`: AES-256-GCM under a key bound to the enclave's measurement; the host
+stores only the blob, never the values). An SGX enclave's sealing key comes from the CPU; the emulated
+one is derived from the run directory's ``sealing.key`` (32 random bytes, mode 0600, made by the first
+run) and the measurement, so it is only as safe as that file. The enclave averages and keeps no
+optimiser state, and a device's TEE holds the layer only within a round (it is sealed to it again at the
+start of the next), so the sealed layer is all the TEEs' state there is. ``fedveil ppfl run CONFIG --out
+DIR --resume`` releases the finished stages to the devices again, rewinds the generators, has a fresh
+enclave unseal the stage's layer and goes on after the last round in the checkpoint: the resumed run
+equals the uninterrupted one round for round (``tests/test_ppfl_resume.py``). A sealed layer that was
+changed, sealed under another ``sealing.key``, or by an enclave of another measurement (changed enclave
+code or launch config) is refused by name. The final stage's last round is not checkpointed (a
+classifier kept in the TEEs cannot outlive the enclave), nor is the E2E FedAvg baseline, which starts
+again from its first round. The checkpoint is removed once ``results.json`` is written. A directory that
+holds anything is refused unless ``--resume`` or ``--overwrite`` (clear it first) is given.
 
-**Ctrl-C** stops the run at the end of its round (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`):
-the checkpoint then holds the stages finished so far, and the message says which stage ``--resume``
-starts again. A round whose evaluation may end its stage (a target accuracy reached, ``patience``) stops
-only after that stage's checkpoint, so that a stage that has just finished is never trained again.
+**Ctrl-C** stops the run at the end of its round, after the round's checkpoint
+(:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`), and the message says which round
+``--resume`` goes on from.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -60,11 +70,13 @@ from fedveil.core.atomic import atomic_write
 from fedveil.core.provenance import code_identity
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.data.images import ImageData
+from fedveil.enclave.layerwise import SEAL_SECRET_BYTES
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.experiments.checkpoint import (
     CHECKPOINT,
     Checkpoint,
     StopAtRoundEnd,
+    crash_point,
     load_checkpoint,
     prepare_run_dir,
     save_checkpoint,
@@ -77,9 +89,17 @@ from fedveil.models.flat import FlatModel
 from fedveil.models.vision import LayerwiseNet
 from fedveil.models.weights import load_weights
 from fedveil.models.zoo import build_model
+from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 from fedveil.protocols.fedavg import ImageFedAvgConfig, evaluate_model
 from fedveil.protocols.local import local_train
-from fedveil.protocols.ppfl import HIKEY_TEE_BYTES, PpflClients, PpflConfig, PpflServer, StageReport
+from fedveil.protocols.ppfl import (
+    HIKEY_TEE_BYTES,
+    PpflClients,
+    PpflConfig,
+    PpflServer,
+    StageProgress,
+    StageReport,
+)
 from fedveil.runtime.enclave_host import BOUNDARIES, EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
 from fedveil.runtime.simulation import SimulationRuntime
@@ -87,6 +107,9 @@ from fedveil.runtime.simulation import SimulationRuntime
 __all__ = ["PpflRun", "TrainedPpfl", "load_ppfl_run", "run_ppfl", "train_central", "train_e2e", "train_ppfl"]
 
 EVALUATOR = "evaluator"
+SEALING_KEY = "sealing.key"
+"""The run directory's sealing secret (mode 0600): the emulated enclave's sealing key is derived from it
+and the enclave's measurement (:mod:`fedveil.enclave.layerwise`)."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +268,11 @@ def run_ppfl(
     config["data_source"] = split.train.describe()
     config = json.loads(json.dumps(config, sort_keys=True))
     ckpt = load_checkpoint(out) if resume else None
+    if ckpt is not None and "sealed" in ckpt.arrays and not (out / SEALING_KEY).is_file():
+        raise ConfigError(
+            f"{out / CHECKPOINT} holds a layer sealed under {out / SEALING_KEY}, which is missing: the "
+            "enclave cannot unseal it; put the file back, or start afresh with --overwrite"
+        )
     if resume and ckpt is None and (out / "results.json").is_file():
         say(f"{out} holds a finished run: its results.json stands")
         return dict(json.loads((out / "results.json").read_text(encoding="utf-8")))
@@ -254,6 +282,7 @@ def run_ppfl(
             "give another --out"
         )
     _write_json(out / "config.json", config)
+    secret = _sealing_secret(out)
     say(split.train.describe())
     state: dict[str, Any] = (
         dict(ckpt.meta) if ckpt is not None else {"config": config, "stages": [], "seconds": 0.0}
@@ -268,11 +297,18 @@ def run_ppfl(
                 f"PPFL run {run.name!r} interrupted in its E2E FedAvg target run, which starts again from "
                 "its first round (it keeps no checkpoint)"
             )
-        done = len(saved.meta.get("stages", [])) if saved is not None else 0
-        kept = f"stages 0-{done - 1} are kept" if done else "no stage is kept"
+        if saved is None or not (saved.meta.get("stages") or "partial" in saved.meta):
+            return RunInterrupted(
+                f"PPFL run {run.name!r} interrupted before its first checkpoint: it starts again from round 1"
+            )
+        where = (
+            f"stage {saved.meta['partial']['stage']} goes on with its layer as the enclave sealed it"
+            if "partial" in saved.meta
+            else f"stage {len(saved.meta['stages'])} begins"
+        )
         return RunInterrupted(
-            f"PPFL run {run.name!r} interrupted; {kept} in {out / CHECKPOINT}, and stage {done} starts "
-            "again from its first round (its values lived in the TEEs)"
+            f"PPFL run {run.name!r} interrupted after round {saved.round}, whose checkpoint is in {out}: "
+            f"it goes on again from round {saved.round + 1}, where {where}"
         )
 
     if run.reach_e2e_rounds is not None:
@@ -296,25 +332,48 @@ def run_ppfl(
         for i, report in enumerate(state["stages"])
         if ckpt is not None
     ]
-    if restored:
-        say(f"resuming after stage {len(restored) - 1} (round {ckpt.round if ckpt else 0})")
+    partial = (
+        StageProgress.from_json(state["partial"], ckpt.arrays["sealed"].tobytes())
+        if ckpt is not None and "partial" in state
+        else None
+    )
+    if ckpt is not None and (restored or partial):
+        say(f"resuming after round {ckpt.round}")
     metrics_path = out / "metrics.jsonl"
+    partial_lines = partial.rounds if partial is not None else []
     metrics_path.write_text(
-        "".join(json.dumps(line, sort_keys=True) + "\n" for r, _ in restored for line in r.rounds)
+        "".join(
+            json.dumps(line, sort_keys=True) + "\n"
+            for line in [*(x for r, _ in restored for x in r.rounds), *partial_lines]
+        )
     )
     released_so_far = {f"released_{i}": w for i, (_, w) in enumerate(restored)}
     started_at = time.perf_counter()
 
-    def checkpoint(report: StageReport, released: np.ndarray) -> None:
+    def save(rnd: int, generators: dict[str, Any], progress: StageProgress | None) -> None:
+        """The checkpoint after round ``rnd``: the finished stages' released values, the generators, and
+        the stage in training's progress with its sealed layer (never its values in the clear)."""
+        meta = {k: v for k, v in state.items() if k != "partial"}
+        meta.update(seconds=float(state["seconds"]) + time.perf_counter() - started_at, generators=generators)
+        arrays = dict(released_so_far)
+        if progress is not None:
+            meta["partial"] = progress.to_json()
+            arrays["sealed"] = np.frombuffer(progress.sealed, dtype=np.uint8)
+        save_checkpoint(out, Checkpoint(rnd, arrays, meta))
+        crash_point("ppfl_checkpoint", rnd)
+        stop.check()
+
+    def checkpoint(report: StageReport, released: np.ndarray, generators: dict[str, Any]) -> None:
         """After each stage but the final one (whose kept tail cannot outlive the enclave)."""
         if report.stage >= len(stages) - 1:
             return
         released_so_far[f"released_{report.stage}"] = released
         state["stages"] = [*state["stages"], report.to_json()]
-        seconds = float(state["seconds"]) + time.perf_counter() - started_at
-        last_round = report.rounds[-1]["round"] if report.rounds else 0
-        save_checkpoint(out, Checkpoint(last_round, dict(released_so_far), {**state, "seconds": seconds}))
-        stop.check()
+        save(report.rounds[-1]["round"] if report.rounds else 0, generators, None)
+
+    def mid_stage(progress: StageProgress, generators: dict[str, Any]) -> None:
+        """After each round that its stage follows with another."""
+        save(progress.round, generators, progress)
 
     bar = tqdm(total=None, unit="round", desc=run.name, disable=not show_bar)
 
@@ -324,8 +383,7 @@ def run_ppfl(
         bar.update(1)
         if "accuracy" in line:
             bar.set_postfix(layer=line["stage"], acc=f"{line['accuracy']:.3f}")
-        if not _may_end_stage(run.ppfl, line):
-            stop.check()
+        crash_point("ppfl_metrics", line["round"])
 
     def memory(server: PpflServer) -> None:
         bar.total = len(server.stages) * run.ppfl.rounds_per_stage
@@ -347,6 +405,10 @@ def run_ppfl(
                 resume=restored,
                 start_round=ckpt.round if ckpt is not None else 0,
                 on_stage=checkpoint,
+                partial=partial,
+                generators=state.get("generators") if ckpt is not None else None,
+                sealing_secret=secret,
+                on_round=mid_stage,
             )
     except KeyboardInterrupt:
         raise interrupted() from None
@@ -423,19 +485,6 @@ def run_ppfl(
     return results
 
 
-def _may_end_stage(cfg: PpflConfig, line: Mapping[str, Any]) -> bool:
-    """Whether the round of ``line`` may be its stage's last (its last planned round, or an evaluation
-    that may stop the stage early: a target accuracy reached, ``patience`` set), so that Ctrl-C waits for
-    the stage's checkpoint (:meth:`~fedveil.protocols.ppfl.PpflServer.train`)."""
-    accuracy = line.get("accuracy")
-    if line["stage_round"] >= cfg.rounds_per_stage:
-        return True
-    if accuracy is None:
-        return False
-    reached = cfg.target_accuracy is not None and accuracy >= cfg.target_accuracy
-    return reached or cfg.patience is not None
-
-
 def _phase_seconds(server: PpflServer) -> list[dict[str, Any]]:
     """Table 4: per stage, the median seconds of each phase of a round (broadcast: sealing theta_l to the
     cohort in the enclave; train: the clients' REE forward, TEE training and sealing, with the simulated
@@ -474,12 +523,20 @@ def train_ppfl(
     on_setup: Callable[[PpflServer], None] | None = None,
     resume: Sequence[tuple[StageReport, np.ndarray]] = (),
     start_round: int = 0,
-    on_stage: Callable[[StageReport, np.ndarray], None] | None = None,
+    on_stage: Callable[[StageReport, np.ndarray, dict[str, Any]], None] | None = None,
+    partial: StageProgress | None = None,
+    generators: Mapping[str, Any] | None = None,
+    sealing_secret: bytes | None = None,
+    on_round: Callable[[StageProgress, dict[str, Any]], None] | None = None,
 ) -> TrainedPpfl:
     """Train PPFL on ``split``'s clients, with an evaluation device holding its test subset; ``tap`` sees
     every byte on the wire (an observer), ``progress`` every round's line, ``on_setup`` the server after
-    registration and attestation, ``on_stage`` each stage's report and released values; ``resume`` and
-    ``start_round`` continue an interrupted run (:meth:`PpflServer.train`).
+    registration and attestation, ``on_stage`` each stage's report and released values and ``on_round``
+    the progress of a stage that goes on after a round (its layer sealed under ``sealing_secret``), both
+    with the generators' states then (:func:`_generator_states`); ``resume``, ``partial``,
+    ``start_round`` and ``generators`` continue an interrupted run from those (:meth:`PpflServer.train`):
+    the generators are rewound once the finished stages are released again, so that the rest of the run
+    draws what the uninterrupted run drew.
 
     Dropout's masks (VGG9's dropout layers, which its stages train) come from torch's global generator,
     which is seeded here with ``run.seed``, as :func:`~fedveil.experiments.fedavg_images.train_fedavg`
@@ -513,20 +570,81 @@ def train_ppfl(
         server = PpflServer(
             model, cfg, host, np.random.default_rng(run.seed + 2), public=public_model, init=run.model_init
         )
+        server.sealing_secret = sealing_secret
         start = time.perf_counter()
+
+        def states() -> dict[str, Any]:
+            return _generator_states(server, runtime, pool)
 
         async def go() -> None:
             await server.setup(runtime)
             if on_setup is not None:
                 on_setup(server)
             server.round = start_round
-            await server.train(runtime, progress=progress, resume=resume, on_stage=on_stage)
+            await server.train(
+                runtime,
+                progress=progress,
+                resume=resume,
+                on_stage=None if on_stage is None else lambda r, w: on_stage(r, w, states()),
+                partial=partial,
+                on_round=None if on_round is None else lambda p: on_round(p, states()),
+                resumed=None
+                if generators is None
+                else lambda: _restore_generators(generators, server, runtime, pool),
+            )
             if cfg.keep_classifier_in_tee:
                 final.update(await server.evaluate_kept(runtime))
 
         asyncio.run(go())
         seconds = time.perf_counter() - start
     return TrainedPpfl(server, pool, model, final, seconds, public_info)
+
+
+def _generator_states(server: PpflServer, runtime: SimulationRuntime, pool: PpflClients) -> dict[str, Any]:
+    """Every generator a PPFL round draws from, JSON-ready: the server's (cohorts), the simulated
+    network's, each device's (batches) and torch's global one (dropout masks)."""
+    return {
+        "server": server.rng.bit_generator.state,
+        "runtime": runtime.rng.bit_generator.state,
+        "pool": pool_rng_states(pool),
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def _restore_generators(
+    states: Mapping[str, Any], server: PpflServer, runtime: SimulationRuntime, pool: PpflClients
+) -> None:
+    """Rewind the generators to what :func:`_generator_states` saved."""
+    try:
+        server.rng.bit_generator.state = dict(states["server"])
+        runtime.rng.bit_generator.state = dict(states["runtime"])
+        restore_pool_rngs(pool, states["pool"])
+        torch.set_rng_state(torch.tensor(states["torch"], dtype=torch.uint8))
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"the checkpoint's generator states do not fit this run: {exc!r}") from exc
+
+
+def _sealing_secret(out: Path) -> bytes:
+    """The run directory's sealing secret (:data:`SEALING_KEY`), made (32 random bytes, mode 0600) if
+    missing."""
+    path = out / SEALING_KEY
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        secret = path.read_bytes()
+        if len(secret) != SEAL_SECRET_BYTES:
+            raise ConfigError(
+                f"{path} holds {len(secret)} bytes, not a {SEAL_SECRET_BYTES}-byte sealing secret: start "
+                "afresh with --overwrite"
+            ) from None
+        return secret
+    secret = os.urandom(SEAL_SECRET_BYTES)
+    try:
+        os.write(fd, secret)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return secret
 
 
 def _public_model(

@@ -937,6 +937,49 @@ class StageReport:
             raise ConfigError(f"a checkpointed stage report is incomplete: {exc!r}") from exc
 
 
+@dataclass
+class StageProgress:
+    """Where a stage in training stood after its round ``round`` (``stage_round`` of the stage): the
+    lines of its rounds so far, the best accuracy and evaluations since it for ``patience``, and the
+    layer as the enclave ``sealed`` it (:meth:`~fedveil.runtime.enclave_host.EnclaveHost.layer_seal`;
+    the host never holds it in the clear). What a run needs to continue the stage after that round."""
+
+    stage: int
+    round: int
+    stage_round: int
+    rounds: list[dict[str, Any]]
+    best: float
+    since: int
+    sealed: bytes
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready, but for ``sealed`` (a checkpoint stores it as bytes)."""
+        return {
+            "stage": self.stage,
+            "round": self.round,
+            "stage_round": self.stage_round,
+            "rounds": self.rounds,
+            "best": self.best,
+            "since": self.since,
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any], sealed: bytes) -> StageProgress:
+        """What :meth:`to_json` wrote, with the sealed layer; a :class:`ConfigError` names what is missing."""
+        try:
+            return cls(
+                int(value["stage"]),
+                int(value["round"]),
+                int(value["stage_round"]),
+                list(value["rounds"]),
+                float(value["best"]),
+                int(value["since"]),
+                sealed,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"a checkpointed stage in training is incomplete: {exc!r}") from exc
+
+
 class PpflServer:
     """Alg. 1 over a :class:`Communicator`, with the layer in training held in ``enclave``, which draws
     each stage's initial values as ``init`` says (:func:`param_specs`)."""
@@ -976,6 +1019,7 @@ class PpflServer:
         self.tee_bytes: dict[ClientId, int] = {}
         self.round = 0
         self.reports: list[StageReport] = []
+        self.sealing_secret: bytes | None = None
 
     async def setup(self, comm: Communicator, *, timeout: float = 60.0) -> None:
         """Registration (with each device's TEE size) and attestation; then check, before any training,
@@ -1034,14 +1078,22 @@ class PpflServer:
         *,
         resume: Sequence[tuple[StageReport, np.ndarray]] = (),
         on_stage: Callable[[StageReport, np.ndarray], None] | None = None,
+        partial: StageProgress | None = None,
+        on_round: Callable[[StageProgress], None] | None = None,
+        resumed: Callable[[], None] | None = None,
     ) -> list[StageReport]:
-        """Alg. 1 over all stages; returns a report per stage (and calls ``progress`` per round and
-        ``on_stage`` with each stage's report and released values when it ends).
+        """Alg. 1 over all stages; returns a report per stage (and calls ``progress`` per round,
+        ``on_round`` after each round that its stage follows with another, with the stage's progress and
+        its layer sealed under :attr:`sealing_secret`, and ``on_stage`` with each stage's report and
+        released values when it ends).
 
         ``resume`` continues an interrupted run: the reports and released values of the stages it had
         finished (in order, not the final one). They are released to every device again (they were
-        public: the REE held them in the clear), and training goes on with the next stage; set
-        :attr:`round` to the interrupted run's last round first, so that rounds keep advancing."""
+        public: the REE held them in the clear), and training goes on with the next stage, from
+        ``partial`` when the run stopped inside it: the enclave unseals its layer and the stage goes on
+        after ``partial``'s round. ``resumed`` is called then, before the next round (to rewind the
+        generators); set :attr:`round` to the interrupted run's last round first, so that rounds keep
+        advancing."""
         if len(resume) >= len(self.stages):
             raise ConfigError(f"{len(resume)} finished stages to resume, the plan has {len(self.stages)}")
         if self.public:
@@ -1051,11 +1103,16 @@ class PpflServer:
                 raise ConfigError(f"resumed stage reports are out of order: {report.stage} at {index}")
             self.reports.append(report)
             await self._release(comm, index, np.asarray(released, dtype=np.float32))
+        if partial is not None and partial.stage != len(resume):
+            raise ConfigError(f"the stage in training is {partial.stage}; {len(resume)} stages are finished")
+        if resumed is not None:
+            resumed()
         if resume and resume[-1][0].stopped == "target":
             return self.reports
         todo = zip(self.stages, self.nets, self.memory, strict=True)
         for stage, net, memory in list(todo)[len(resume) :]:
-            report = await self._train_stage(comm, stage, net, memory, progress)
+            report = await self._train_stage(comm, stage, net, memory, progress, partial, on_round)
+            partial = None
             keep = kept_on_release(
                 stage, net, final=stage is self.stages[-1], keep_in_tee=self.cfg.keep_classifier_in_tee
             )
@@ -1074,14 +1131,24 @@ class PpflServer:
         net: StageNet,
         memory: TeeMemory,
         progress: Callable[[dict[str, Any]], None] | None,
+        partial: StageProgress | None = None,
+        on_round: Callable[[StageProgress], None] | None = None,
     ) -> StageReport:
-        """One stage of Alg. 1: ``theta_l`` initialised in the enclave, then FedAvg rounds through it."""
+        """One stage of Alg. 1: ``theta_l`` initialised in the enclave (or unsealed there from
+        ``partial``: :meth:`train`), then FedAvg rounds through it."""
         cfg = self.cfg
         eligible = self.eligible(memory)
         report = StageReport(stage.index, stage.units, memory, len(eligible))
         self.reports.append(report)
-        initial = np.concatenate([self.public[u] for u in stage.units]) if self.public else None
-        self.enclave.layer_begin(stage.index, param_specs(net, self.init), cfg.seed, initial)
+        best, since, first = -1.0, 0, 1
+        if partial is not None:
+            secret = self._secret()
+            self.enclave.layer_unseal(stage.index, partial.round, secret, partial.sealed)
+            report.rounds = list(partial.rounds)
+            best, since, first = partial.best, partial.since, partial.stage_round + 1
+        else:
+            initial = np.concatenate([self.public[u] for u in stage.units]) if self.public else None
+            self.enclave.layer_begin(stage.index, param_specs(net, self.init), cfg.seed, initial)
         timing: dict[str, float] = {}
         outcome: dict[str, Any] = {}
         size = cfg.clients_per_round or len(eligible)
@@ -1122,8 +1189,7 @@ class PpflServer:
             timeout=cfg.timeout,
             check=check,
         )
-        best, since = -1.0, 0
-        for stage_round in range(1, cfg.rounds_per_stage + 1):
+        for stage_round in range(first, cfg.rounds_per_stage + 1):
             self.round += 1
             timing.clear()
             outcome.clear()
@@ -1158,7 +1224,19 @@ class PpflServer:
                 if since >= cfg.patience:
                     report.stopped = "converged"
                     break
+            if on_round is not None and stage_round < cfg.rounds_per_stage:
+                sealed = self.enclave.layer_seal(stage.index, self.round, self._secret())
+                on_round(
+                    StageProgress(
+                        stage.index, self.round, stage_round, list(report.rounds), best, since, sealed
+                    )
+                )
         return report
+
+    def _secret(self) -> bytes:
+        if self.sealing_secret is None:
+            raise ConfigError("a sealed layer needs the run's sealing secret: set PpflServer.sealing_secret")
+        return self.sealing_secret
 
     async def _send_public(self, comm: Communicator) -> None:
         """Transfer (PPFL Sec. 4.3, step 1 of Fig. 1): the public model's first units, before the

@@ -717,3 +717,16 @@ class EnclaveHost:
         """End ``stage``: the trained layer released to the REE, but for its last ``keep`` values."""
         _, out = self._call({"op": "layer_release", "stage": stage, "keep": keep}, [])
         return np.array(decode_array(out[0], dtype="<f4", ndim=1))
+
+    def layer_seal(self, stage: int, rnd: int, secret: bytes) -> bytes:
+        """The state of layer stage ``stage`` after round ``rnd`` sealed by the enclave to its own
+        measurement (:meth:`fedveil.enclave.layerwise.LayerwiseState.seal`), under the host's sealing
+        ``secret``: opaque bytes the host may store."""
+        _, out = self._call({"op": "layer_seal", "stage": stage, "round": rnd}, [secret])
+        return bytes(out[0])
+
+    def layer_unseal(self, stage: int, rnd: int, secret: bytes, sealed: bytes) -> int:
+        """Continue layer stage ``stage`` in this enclave from what :meth:`layer_seal` returned after round
+        ``rnd``; returns its number of values."""
+        head, _ = self._call({"op": "layer_unseal", "stage": stage, "round": rnd}, [secret, sealed])
+        return int(head["size"])
