@@ -233,3 +233,30 @@ def test_resume_refuses_a_tampered_sealed_layer_or_a_missing_sealing_key_in_one_
     assert main([*args, "--resume"]) == 2
     err = capsys.readouterr().err.strip()
     assert "sealing.key, which is missing" in err and "--overwrite" in err, err
+
+
+def test_the_e2e_baseline_killed_mid_run_resumes_from_its_checkpoint_to_the_uninterrupted_baseline(
+    tmp_path: Path,
+) -> None:
+    """PPFL's rounds are kept (not trained again) and FedAvg goes on after its last checkpointed round."""
+    config = tmp_path / "e2e.yaml"
+    config.write_text(
+        TINY.replace("e2e: false", "e2e: true").replace("rounds_per_stage: 3", "rounds_per_stage: 2")
+    )
+    runs = {}
+    for name, env in (("whole", {}), ("killed", {CRASH_ENV: "e2e_checkpoint:3"})):
+        out = tmp_path / name
+        args = ["ppfl", "run", str(config), "--out", str(out), "--no-progress"]
+        done = _cli(*args, env=env)
+        if name == "killed":
+            assert done.returncode == -signal.SIGKILL, done.stderr
+            ckpt = load_checkpoint(out)
+            assert ckpt is not None and ckpt.round == 3 and "e2e_weights" in ckpt.arrays
+            done = _cli(*args, "--resume")
+            assert "PPFL: 6 rounds" in done.stdout and "(checkpoint)" in done.stdout, done.stdout
+        assert done.returncode == 0, done.stderr
+        e2e = [json.loads(x) for x in (out / "e2e.jsonl").read_text().splitlines()]
+        results = json.loads((out / "results.json").read_text())
+        runs[name] = (_outcome(out), e2e, results["e2e_accuracy"])
+    assert runs["killed"] == runs["whole"]
+    assert [line["round"] for line in runs["whole"][1]] == [1, 2, 3, 4, 5, 6]

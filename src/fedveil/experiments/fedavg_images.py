@@ -20,8 +20,10 @@ from fedveil.data.federated import FederatedDataset
 from fedveil.data.images import ImageData, load_image_dataset
 from fedveil.data.partition import partition, to_federated
 from fedveil.errors import ConfigError
+from fedveil.experiments.checkpoint import Checkpoint
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import INITS, build_model
+from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer, ParameterPlan
 from fedveil.runtime.simulation import SimulationRuntime
 
@@ -130,12 +132,17 @@ def train_fedavg(
     plan: Callable[[FlatModel], ParameterPlan] | None = None,
     avoid: np.ndarray | None = None,
     split: ImageSplit | None = None,
+    on_round: Callable[[Checkpoint], None] | None = None,
+    resume: Checkpoint | None = None,
 ) -> TrainedFedAvg:
     """Train ``run`` in simulation and return the model, data splits and evaluation history.
 
     ``avoid`` lists training-split indices that must be neither members nor non-members (a control model
     trained on data disjoint from another run's candidates, :attr:`TrainedFedAvg.candidate_index`);
     ``split`` is the data already split by :func:`split_images` for ``run`` (not loaded again).
+    ``on_round`` receives the state after each round (:meth:`ModelServer.state_dict`, the generators of
+    the devices, the simulated network and torch, and the history so far); ``resume``, such a state, goes
+    on after its round as the uninterrupted run would.
     """
     split = split_images(run, avoid=avoid) if split is None else split
     members, non_members, test, data = split.members, split.non_members, split.test, split.data
@@ -166,9 +173,24 @@ def train_fedavg(
     server.setup(runtime)
     history: list[dict[str, Any]] = []
     every = run.fedavg.eval_every
+    first = 1
+    if resume is not None:
+        try:
+            server.load_state_dict(resume.arrays, resume.meta["server"])
+            restore_pool_rngs(pool, resume.meta["pool"])
+            runtime.rng.bit_generator.state = dict(resume.meta["runtime"])
+            torch.set_rng_state(torch.tensor(resume.meta["torch"], dtype=torch.uint8))
+            history = list(resume.meta["history"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise ConfigError(
+                f"the FedAvg checkpoint of round {resume.round} does not fit this run: {exc!r}"
+            ) from exc
+        first = resume.round + 1
 
     async def go() -> None:
-        bar = tqdm(range(1, run.rounds + 1), desc=f"FedAvg {run.model} on {train.name}", disable=not progress)
+        bar = tqdm(
+            range(first, run.rounds + 1), desc=f"FedAvg {run.model} on {train.name}", disable=not progress
+        )
         for rnd in bar:
             report = await server.run_round(rnd, runtime)
             line = report.as_dict()
@@ -176,6 +198,16 @@ def train_fedavg(
                 line.update({f"test_{k}": v for k, v in server.evaluate(test.x, test.y).items()})
                 bar.set_postfix(acc=f"{line['test_accuracy']:.3f}")
             history.append(line)
+            if on_round is not None:
+                arrays, meta = server.state_dict()
+                state = {
+                    "server": meta,
+                    "pool": pool_rng_states(pool),
+                    "runtime": runtime.rng.bit_generator.state,
+                    "torch": torch.get_rng_state().tolist(),
+                    "history": history,
+                }
+                on_round(Checkpoint(rnd, arrays, state))
 
     asyncio.run(go())
     return TrainedFedAvg(

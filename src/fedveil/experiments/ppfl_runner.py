@@ -39,8 +39,10 @@ enclave unseal the stage's layer and goes on after the last round in the checkpo
 equals the uninterrupted one round for round (``tests/test_ppfl_resume.py``). A sealed layer that was
 changed, sealed under another ``sealing.key``, or by an enclave of another measurement (changed enclave
 code or launch config) is refused by name. The final stage's last round is not checkpointed (a
-classifier kept in the TEEs cannot outlive the enclave), nor is the E2E FedAvg baseline, which starts
-again from its first round. The checkpoint is removed once ``results.json`` is written. A directory that
+classifier kept in the TEEs cannot outlive the enclave). The E2E FedAvg baseline is checkpointed after
+each of its rounds too, in the same file (the FedAvg engine's ``state_dict``, the generators, its rounds
+so far, and PPFL's finished results when it follows PPFL), and goes on from there. The checkpoint is
+removed once ``results.json`` is written. A directory that
 holds anything is refused unless ``--resume`` or ``--overwrite`` (clear it first) is given.
 
 **Ctrl-C** stops the run at the end of its round, after the round's checkpoint
@@ -292,10 +294,15 @@ def run_ppfl(
 
     def interrupted() -> RunInterrupted:
         saved = load_checkpoint(out)
+        if saved is not None and "e2e_progress" in saved.meta:
+            return RunInterrupted(
+                f"PPFL run {run.name!r} interrupted in its E2E FedAvg baseline after round {saved.round}, "
+                f"whose checkpoint is in {out}: it goes on again from round {saved.round + 1}"
+            )
         if run.reach_e2e_rounds is not None and (saved is None or "e2e" not in saved.meta):
             return RunInterrupted(
-                f"PPFL run {run.name!r} interrupted in its E2E FedAvg target run, which starts again from "
-                "its first round (it keeps no checkpoint)"
+                f"PPFL run {run.name!r} interrupted in its E2E FedAvg target run before its first "
+                "checkpoint: it starts again from round 1"
             )
         if saved is None or not (saved.meta.get("stages") or "partial" in saved.meta):
             return RunInterrupted(
@@ -311,42 +318,65 @@ def run_ppfl(
             f"it goes on again from round {saved.round + 1}, where {where}"
         )
 
+    def baseline(rounds: int) -> tuple[list[dict[str, Any]], float]:
+        """E2E FedAvg over ``rounds`` rounds and its seconds, checkpointed after each round with ``state``
+        (what the run finished before it), going on from the checkpoint's E2E round when there is one."""
+        before = state.pop("e2e_progress", None)
+        resumed = None
+        if ckpt is not None and before is not None:
+            arrays = {k.removeprefix("e2e_"): v for k, v in ckpt.arrays.items() if k.startswith("e2e_")}
+            resumed = Checkpoint(ckpt.round, arrays, before)
+        spent = float(before["seconds"]) if before is not None else 0.0
+        started = time.perf_counter()
+
+        def on_round(c: Checkpoint) -> None:
+            progress = {**c.meta, "seconds": spent + time.perf_counter() - started}
+            arrays = {f"e2e_{k}": v for k, v in c.arrays.items()}
+            save_checkpoint(out, Checkpoint(c.round, arrays, {**state, "e2e_progress": progress}))
+            crash_point("e2e_checkpoint", c.round)
+            stop.check()
+
+        try:
+            with stop:
+                history = train_e2e(run, split, rounds, show_bar, on_round=on_round, resume=resumed)
+        except KeyboardInterrupt:
+            raise interrupted() from None
+        return history, spent + time.perf_counter() - started
+
     if run.reach_e2e_rounds is not None:
         if "e2e" in state:
             e2e, e2e_seconds = state["e2e"], float(state["e2e_seconds"])
             say(f"E2E FedAvg: {len(e2e)} rounds, from the checkpoint")
         else:
-            started = time.perf_counter()
-            try:
-                e2e = train_e2e(run, split, run.reach_e2e_rounds, show_bar)
-            except KeyboardInterrupt:  # E2E keeps no checkpoint of its own: Ctrl-C stops it at once
-                raise interrupted() from None
-            e2e_seconds = time.perf_counter() - started
+            e2e, e2e_seconds = baseline(run.reach_e2e_rounds)
             state.update(e2e=e2e, e2e_seconds=e2e_seconds)
             save_checkpoint(out, Checkpoint(0, {}, state))
+            ckpt = load_checkpoint(out) if ckpt is not None else None
         target = e2e[-1]["test_accuracy"]
         say(f"E2E FedAvg: {len(e2e)} rounds, accuracy {target:.4f}: PPFL's target")
         run = replace(run, ppfl=replace(run.ppfl, target_accuracy=target))
+    finished = "ppfl_results" in state  # PPFL had finished; its E2E baseline was interrupted
     restored = [
         (StageReport.from_json(report), ckpt.arrays[f"released_{i}"])
         for i, report in enumerate(state["stages"])
-        if ckpt is not None
+        if ckpt is not None and not finished
     ]
     partial = (
         StageProgress.from_json(state["partial"], ckpt.arrays["sealed"].tobytes())
-        if ckpt is not None and "partial" in state
+        if ckpt is not None and "partial" in state and not finished
         else None
     )
     if ckpt is not None and (restored or partial):
         say(f"resuming after round {ckpt.round}")
     metrics_path = out / "metrics.jsonl"
     partial_lines = partial.rounds if partial is not None else []
-    metrics_path.write_text(
-        "".join(
-            json.dumps(line, sort_keys=True) + "\n"
-            for line in [*(x for r, _ in restored for x in r.rounds), *partial_lines]
+    if not finished:  # the round lines of the checkpoint, no more
+        metrics_path.write_text(
+            "".join(
+                json.dumps(line, sort_keys=True) + "\n"
+                for line in [*(x for r, _ in restored for x in r.rounds), *partial_lines]
+            )
         )
-    )
     released_so_far = {f"released_{i}": w for i, (_, w) in enumerate(restored)}
     started_at = time.perf_counter()
 
@@ -395,80 +425,86 @@ def run_ppfl(
             ],
         )
 
-    try:
-        with stop:
-            trained = train_ppfl(
-                run,
-                split,
-                progress=record,
-                on_setup=memory,
-                resume=restored,
-                start_round=ckpt.round if ckpt is not None else 0,
-                on_stage=checkpoint,
-                partial=partial,
-                generators=state.get("generators") if ckpt is not None else None,
-                sealing_secret=secret,
-                on_round=mid_stage,
-            )
-    except KeyboardInterrupt:
-        raise interrupted() from None
-    finally:
+    if finished:
+        results = dict(state["ppfl_results"])
+        series = {k: [(r, a) for r, a in v] for k, v in state["ppfl_series"].items()}
         bar.close()
-    server, final = trained.server, trained.final
-    seconds = float(state["seconds"]) + trained.seconds
-    lines = [line for r in server.reports for line in r.rounds]
-    results: dict[str, Any] = {
-        "name": run.name,
-        "code": code_identity(),
-        "data": split.train.describe(),
-        "synthetic_data": split.train.synthetic,
-        "model": run.model,
-        "stages": [
-            {
-                "stage": r.stage,
-                "units": list(r.units),
-                "tee_bytes_needed": r.memory.total,
-                "eligible_devices": r.eligible,
-                "rounds": len(r.rounds),
-                "accuracy": r.rounds[-1].get("accuracy") if r.rounds else None,
-                "stopped": r.stopped or "rounds",
-            }
-            for r in server.reports
-        ],
-        "rounds": len(lines),
-        "bytes_up": sum(line["bytes_up"] for line in lines),
-        "bytes_down": sum(line["bytes_down"] for line in lines),
-        "final_accuracy": final.get("accuracy", lines[-1].get("accuracy") if lines else None),
-        "seconds": seconds,
-        "phase_seconds": _phase_seconds(server),
-    }
-    if trained.public:
-        results["public"] = trained.public
-        results["train_last"] = run.ppfl.train_last
-    say(f"PPFL: {len(lines)} rounds in {seconds:.0f} s, final accuracy {results['final_accuracy']}")
-    series = {
-        (f"PPFL last {run.ppfl.train_last} units" if trained.public else f"PPFL layer {r.stage + 1}"): [
-            (line["round"], line["accuracy"]) for line in r.rounds if "accuracy" in line
-        ]
-        for r in server.reports
-    }
-    if run.reach_e2e_rounds is not None:
-        reached = bool(server.reports) and server.reports[-1].stopped == "target"
-        results["target_accuracy"] = run.ppfl.target_accuracy
-        results["reached"] = reached
-        results["rounds_to_reach"] = len(lines) if reached else None
-        results["bytes_to_reach"] = results["bytes_up"] + results["bytes_down"] if reached else None
-    elif run.e2e:
-        started = time.perf_counter()
+        say(f"PPFL: {results['rounds']} rounds, final accuracy {results['final_accuracy']} (checkpoint)")
+    else:
         try:
-            e2e = train_e2e(run, split, len(lines), show_bar)
+            with stop:
+                trained = train_ppfl(
+                    run,
+                    split,
+                    progress=record,
+                    on_setup=memory,
+                    resume=restored,
+                    start_round=ckpt.round if ckpt is not None else 0,
+                    on_stage=checkpoint,
+                    partial=partial,
+                    generators=state.get("generators") if ckpt is not None else None,
+                    sealing_secret=secret,
+                    on_round=mid_stage,
+                )
         except KeyboardInterrupt:
             raise interrupted() from None
-        e2e_seconds = time.perf_counter() - started
+        finally:
+            bar.close()
+        server, final = trained.server, trained.final
+        seconds = float(state["seconds"]) + trained.seconds
+        lines = [line for r in server.reports for line in r.rounds]
+        results: dict[str, Any] = {
+            "name": run.name,
+            "code": code_identity(),
+            "data": split.train.describe(),
+            "synthetic_data": split.train.synthetic,
+            "model": run.model,
+            "stages": [
+                {
+                    "stage": r.stage,
+                    "units": list(r.units),
+                    "tee_bytes_needed": r.memory.total,
+                    "eligible_devices": r.eligible,
+                    "rounds": len(r.rounds),
+                    "accuracy": r.rounds[-1].get("accuracy") if r.rounds else None,
+                    "stopped": r.stopped or "rounds",
+                }
+                for r in server.reports
+            ],
+            "rounds": len(lines),
+            "bytes_up": sum(line["bytes_up"] for line in lines),
+            "bytes_down": sum(line["bytes_down"] for line in lines),
+            "final_accuracy": final.get("accuracy", lines[-1].get("accuracy") if lines else None),
+            "seconds": seconds,
+            "phase_seconds": _phase_seconds(server),
+        }
+        if trained.public:
+            results["public"] = trained.public
+            results["train_last"] = run.ppfl.train_last
+        say(f"PPFL: {len(lines)} rounds in {seconds:.0f} s, final accuracy {results['final_accuracy']}")
+        series = {
+            (f"PPFL last {run.ppfl.train_last} units" if trained.public else f"PPFL layer {r.stage + 1}"): [
+                (line["round"], line["accuracy"]) for line in r.rounds if "accuracy" in line
+            ]
+            for r in server.reports
+        }
+    if run.reach_e2e_rounds is not None:
+        reached = bool(results["stages"]) and results["stages"][-1]["stopped"] == "target"
+        results["target_accuracy"] = run.ppfl.target_accuracy
+        results["reached"] = reached
+        results["rounds_to_reach"] = results["rounds"] if reached else None
+        results["bytes_to_reach"] = results["bytes_up"] + results["bytes_down"] if reached else None
+    elif run.e2e:
+        if "ppfl_results" not in state:
+            for key in ("partial", "generators"):
+                state.pop(key, None)
+            state.update(ppfl_results=dict(results), ppfl_series=series)
+        e2e, e2e_seconds = baseline(results["rounds"])
     if e2e is not None:
         results["e2e_rounds"] = len(e2e)
         results["e2e_seconds"] = e2e_seconds
-        results["ppfl_over_e2e_seconds_per_round"] = (seconds / max(1, len(lines))) / (e2e_seconds / len(e2e))
+        per_round = results["seconds"] / max(1, results["rounds"])
+        results["ppfl_over_e2e_seconds_per_round"] = per_round / (e2e_seconds / len(e2e))
         with (out / "e2e.jsonl").open("w", encoding="utf-8") as f:
             for line in e2e:
                 f.write(json.dumps(line, sort_keys=True) + "\n")
@@ -704,9 +740,18 @@ def train_central(model: nn.Module, data: ImageData, cfg: PpflConfig, epochs: in
     return trained.eval()
 
 
-def train_e2e(run: PpflRun, split: ImageSplit, rounds: int, show_bar: bool) -> list[dict[str, Any]]:
+def train_e2e(
+    run: PpflRun,
+    split: ImageSplit,
+    rounds: int,
+    show_bar: bool,
+    *,
+    on_round: Callable[[Checkpoint], None] | None = None,
+    resume: Checkpoint | None = None,
+) -> list[dict[str, Any]]:
     """End-to-end FedAvg with PPFL's client settings, over ``rounds`` rounds (the one FedAvg engine); its
-    rate is not decayed per epoch (the engine's schedule is per round)."""
+    rate is not decayed per epoch (the engine's schedule is per round). ``on_round`` and ``resume``: a
+    checkpoint after each round, and going on from one (:func:`fedavg_images.train_fedavg`)."""
     cfg = run.ppfl
     fedavg = ImageFedAvgConfig(
         clients_per_round=cfg.clients_per_round or run.clients,
@@ -715,4 +760,4 @@ def train_e2e(run: PpflRun, split: ImageSplit, rounds: int, show_bar: bool) -> l
         optimizer=cfg.optimizer(),
     )
     base = replace(run.images(), rounds=max(1, rounds), fedavg=fedavg)
-    return train_fedavg(base, progress=show_bar, split=split).history
+    return train_fedavg(base, progress=show_bar, split=split, on_round=on_round, resume=resume).history
