@@ -184,14 +184,14 @@ def test_the_checkpoint_never_holds_the_layer_in_training_in_the_clear(
     assert any(released.size for _, _, released in seen)
 
 
-def _host(config: EnclaveConfig | None = None) -> EnclaveHost:
-    return EnclaveHost.start(config, platform=SimulatedPlatform.generate(), boundary="inprocess")
+def _host(config: EnclaveConfig | None = None, boundary: str = "inprocess") -> EnclaveHost:
+    return EnclaveHost.start(config, platform=SimulatedPlatform.generate(), boundary=boundary)
 
 
 def test_a_sealed_layer_opens_only_in_an_enclave_of_the_same_measurement_under_the_same_secret() -> None:
     specs = [ParamSpec((6, 5), "uniform", 0.3), ParamSpec((6,), "zeros")]
     secret, other = os.urandom(32), os.urandom(32)
-    with _host() as host:
+    with _host(boundary="process") as host:  # the enclave in its own process: the same measurement
         host.layer_begin(1, specs, seed=4)
         sealed = host.layer_seal(1, 7, secret)
         theta = host.layer_release(1)
