@@ -185,7 +185,7 @@ def test_a_ppfl_training_with_dropout_does_not_depend_on_what_ran_before_it() ->
         train_ppfl(
             ppfl_attacks._ppfl_run(images, cfg, 64),
             split,
-            on_stage=lambda _r, v, out=values: out.append(v.copy()),
+            on_stage=lambda _r, v, _states, out=values: out.append(v.copy()),
         )
     assert len(released[0]) == len(released[1]) > 1
     for a, b in zip(*released, strict=True):
