@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from fedveil.service import limits as defaults
+
 
 def register(subparsers: Any) -> None:
     """Add the ``serve`` command."""
@@ -52,47 +54,53 @@ def register(subparsers: Any) -> None:
     limits.add_argument(
         "--job-seconds",
         type=float,
-        default=3600.0,
-        help="each job's wall-clock budget: its check and its run, host calls included (default 3600)",
+        default=defaults.JOB_SECONDS,
+        help="each job's wall-clock budget: its check and its run, host calls included (default %(default)g)",
     )
     limits.add_argument(
         "--check-seconds",
         type=float,
-        default=30.0,
-        help="how much of it the check during the submission may use (default 30)",
+        default=defaults.CHECK_SECONDS,
+        help="how much of it the check during the submission may use (default %(default)g)",
     )
     limits.add_argument(
         "--jobs-per-application",
         type=int,
-        default=4,
-        help="jobs an application may have checked, queued or running at once (default 4)",
+        default=defaults.JOBS_PER_APPLICATION,
+        help="jobs an application may have checked, queued or running at once (default %(default)d)",
     )
     limits.add_argument(
         "--submissions-per-minute",
         type=int,
-        default=30,
-        help="job submissions per application per minute (default 30)",
+        default=defaults.SUBMISSIONS_PER_MINUTE,
+        help="job submissions per application per minute (default %(default)d)",
     )
     limits.add_argument(
-        "--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1048576)"
+        "--max-body-bytes",
+        type=int,
+        default=defaults.MAX_BODY_BYTES,
+        help="largest request body (default %(default)d)",
     )
     limits.add_argument(
         "--sign-in-failures",
         type=int,
-        default=5,
-        help="failed sign-ins per account name within --sign-in-lockout before it is locked (default 5)",
+        default=defaults.SIGN_IN_FAILURES,
+        help="failed sign-ins per account name within --sign-in-lockout before it is locked "
+        "(default %(default)d)",
     )
     limits.add_argument(
         "--sign-in-address-failures",
         type=int,
-        default=20,
-        help="failed sign-ins per client address within --sign-in-lockout before it is locked (default 20)",
+        default=defaults.SIGN_IN_ADDRESS_FAILURES,
+        help="failed sign-ins per client address within --sign-in-lockout before it is locked "
+        "(default %(default)d)",
     )
     limits.add_argument(
         "--sign-in-lockout",
         type=float,
-        default=900.0,
-        help="the window and the back-off of sign-in throttling, seconds (default 900; a restart unlocks)",
+        default=defaults.SIGN_IN_LOCKOUT,
+        help="the window and the back-off of sign-in throttling, seconds "
+        "(default %(default)g; a restart unlocks)",
     )
     p.set_defaults(func=run)
 

@@ -62,6 +62,7 @@ from fedveil import __version__
 from fedveil.errors import ConfigError, FedveilError
 from fedveil.privacy.policy import budget_of, parse, show
 from fedveil.service import auth, db
+from fedveil.service import limits as defaults
 from fedveil.service.jobs import JobRequest, JobRunner, JobState, Population, Refused, audit, validate
 
 __all__ = ["ServiceSettings", "SubmissionLimits", "create_app"]
@@ -90,17 +91,17 @@ class ServiceSettings:
     db: str
     folder: Path
     population: Population = field(default_factory=Population)
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = defaults.MAX_BODY_BYTES
     tls: bool = True
     run_jobs: bool = True
     program_seconds: float = 10.0
-    job_seconds: float = 3600.0
-    check_seconds: float = 30.0
-    jobs_per_application: int = 4
-    submissions_per_minute: int = 30
-    sign_in_failures: int = 5
-    sign_in_address_failures: int = 20
-    sign_in_lockout: float = 900.0
+    job_seconds: float = defaults.JOB_SECONDS
+    check_seconds: float = defaults.CHECK_SECONDS
+    jobs_per_application: int = defaults.JOBS_PER_APPLICATION
+    submissions_per_minute: int = defaults.SUBMISSIONS_PER_MINUTE
+    sign_in_failures: int = defaults.SIGN_IN_FAILURES
+    sign_in_address_failures: int = defaults.SIGN_IN_ADDRESS_FAILURES
+    sign_in_lockout: float = defaults.SIGN_IN_LOCKOUT
     devices_listen: str | None = None
     enrol_listen: str | None = None
     pki: Path | None = None

@@ -9,8 +9,8 @@ picks a free port and the first line printed says which; ``--stop-after`` ends t
 (tests, demos). ``--devices-listen`` opens the device port: the population is then the device agents
 that connect with certificates of this PKI (``fedveil certs device NAME``, or enrolment tokens on
 ``--enrol-listen``), holding ``--population``'s kind of data. The limits (each job's time budget,
-submissions per application, body size, sign-in throttling) are
-:class:`~fedveil.service.app.ServiceSettings`' with their defaults unless options set them.
+submissions per application, body size, sign-in throttling) take their defaults from
+:mod:`fedveil.service.limits` unless options set them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from fedveil.errors import ConfigError
 from fedveil.runtime.network.server import parse_listen
+from fedveil.service import limits as defaults
 
 __all__ = ["ServeOptions", "bootstrap_admin", "serve"]
 
@@ -42,17 +43,17 @@ class ServeOptions:
     population: str = "mpu:40"
     admin: str = "admin"
     stop_after: float | None = None
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = defaults.MAX_BODY_BYTES
     demo: bool = False
     devices_listen: str | None = None
     enrol_listen: str | None = None
-    job_seconds: float = 3600.0
-    check_seconds: float = 30.0
-    jobs_per_application: int = 4
-    submissions_per_minute: int = 30
-    sign_in_failures: int = 5
-    sign_in_address_failures: int = 20
-    sign_in_lockout: float = 900.0
+    job_seconds: float = defaults.JOB_SECONDS
+    check_seconds: float = defaults.CHECK_SECONDS
+    jobs_per_application: int = defaults.JOBS_PER_APPLICATION
+    submissions_per_minute: int = defaults.SUBMISSIONS_PER_MINUTE
+    sign_in_failures: int = defaults.SIGN_IN_FAILURES
+    sign_in_address_failures: int = defaults.SIGN_IN_ADDRESS_FAILURES
+    sign_in_lockout: float = defaults.SIGN_IN_LOCKOUT
 
 
 def bootstrap_admin(engine: object, name: str) -> str | None:
