@@ -254,7 +254,14 @@ class AgentHost:
                 await self._read(state, call)
             finally:
                 beat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
+                # a heartbeat written after the stream ended fails too: the read's error is the one that
+                # counts (the device reconnects), never the heartbeat's, which would end the agent
+                with contextlib.suppress(
+                    asyncio.CancelledError,
+                    asyncio.InvalidStateError,
+                    grpc.aio.AioRpcError,
+                    grpc.aio.UsageError,
+                ):
                     await beat
                 state.call = None
             return True
