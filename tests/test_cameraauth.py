@@ -1,4 +1,4 @@
-"""FDML's CameraAuth (000_5f3e2740eb021610.txt, Sec. VII-B): the population (synthetic and a VGGFace2-layout
+"""FDML's CameraAuth (Sec. VII-B): the population (synthetic and a VGGFace2-layout
 folder fixture), the reduced ResNet-34 options, config checks, and FDML and FL-traditional end to end
 through ``fedveil run`` on a tiny CameraAuth config."""
 

@@ -1,4 +1,4 @@
-"""FedUV's Table 2 networks, the Scaling layer and the positive-only loss (001_d8618d8a5ca71eec.txt)."""
+"""FedUV's Table 2 networks, the Scaling layer and the positive-only loss ([FedUV])."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model zoo: PPFL's Table 1 networks (004_f28ec6505072f6a8.txt, Sec. 5.2) and DLG's sigmoid LeNet."""
+"""The model zoo: PPFL's Table 1 networks (Sec. 5.2) and DLG's sigmoid LeNet."""
 
 from __future__ import annotations
 

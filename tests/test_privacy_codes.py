@@ -29,7 +29,7 @@ from fedveil.privacy.codes import (
 
 PROPERTY = settings(max_examples=40, deadline=None)
 
-# FedUV (001_d8618d8a5ca71eec.txt) Table 1: code length, message length, d_min.
+# FedUV Table 1: code length, message length, d_min.
 TABLE_1 = [(127, 64, 21), (255, 71, 59), (511, 67, 175)]
 
 # Lin & Costello, "Error Control Coding", Appendix C: generator polynomials of the binary primitive

@@ -1,4 +1,4 @@
-"""PPFL (004_f28ec6505072f6a8.txt, Alg. 1 and 2): stages, the TEE memory model, and whole runs through the
+"""PPFL (Alg. 1 and 2): stages, the TEE memory model, and whole runs through the
 emulated enclaves in which the host never handles a layer in training."""
 
 from __future__ import annotations

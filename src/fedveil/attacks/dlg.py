@@ -70,7 +70,7 @@ def dlg_attack(
     drawn with ``seed`` (``init``: ``"uniform"`` or ``"normal"``); up to ``restarts`` runs, stopping at the
     first whose objective is below ``restart_tolerance * ||grad_W||^2``, the best kept; snapshots every
     ``snapshot_every`` iterations. ``optimize_hidden`` optimises the view's hidden parameters jointly with
-    the dummy (the attacker of 002_a446963dedd95f77.txt, Sec. 5.5, who must guess the private projector).
+    the dummy (the attacker of [AIoT], Sec. 5.5, who must guess the private projector).
     The labels returned are the argmax of the optimised dummy label. A sealed view raises
     :class:`~fedveil.attacks.views.NoPlaintextView`.
     """

@@ -19,7 +19,7 @@ the labels of a batch are distinct, so a batch with a repeated label loses at le
 
 The last layer is found by running the model once on a probe batch and taking the last leaf module with
 parameters that runs: it must be an ``nn.Linear`` with one output per class, and its weight must be among
-the view's parameters (the AIoT private projector, 002_a446963dedd95f77.txt, is hidden: iDLG cannot run).
+the view's parameters (the AIoT private projector, [AIoT], is hidden: iDLG cannot run).
 """
 
 from __future__ import annotations

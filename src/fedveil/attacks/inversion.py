@@ -20,7 +20,7 @@ local step); Geiping et al. invert the unrolled local steps of federated averagi
 done here.
 
 ``D`` runs only over the parameters in ``view.update``. Parameters the observer did not see
-(``view.hidden``: the AIoT private projector of 002_a446963dedd95f77.txt, Sec. 5.5) enter the dummy forward
+(``view.hidden``: the AIoT private projector of [AIoT], Sec. 5.5) enter the dummy forward
 pass with the values in ``view.model`` (the attacker's guess, or the true values for the "upper bound"
 attacker); with ``optimize_hidden=True`` they are optimised jointly with the dummy input, as that paper's
 attacker does. The model in the view is never modified: the dummy forward pass uses
@@ -30,7 +30,7 @@ train/eval mode.
 :func:`client_gradient_view` builds what an observer of undefended FedAvg-SGD sees (the mean cross-entropy
 gradient of one batch); :func:`evaluate_inversion` scores a result against the private batch with
 :func:`~fedveil.attacks.image_metrics.reconstruction_metrics`; :func:`save_inversion_grid` draws the
-originals above the reconstructions at successive iterations (as 002_a446963dedd95f77.txt, Fig. 4).
+originals above the reconstructions at successive iterations (as [AIoT], Fig. 4).
 """
 
 from __future__ import annotations
@@ -502,7 +502,7 @@ def save_inversion_grid(
     dpi: int = 100,
 ) -> Path:
     """A PNG grid: the originals in the first row, below them the reconstructions at successive snapshot
-    iterations (as 002_a446963dedd95f77.txt, Fig. 4), columns in the originals' order after
+    iterations (as [AIoT], Fig. 4), columns in the originals' order after
     :func:`~fedveil.attacks.image_metrics.match_permutation`, titled with the metrics.
 
     At most ``max_rows - 1`` snapshots are drawn (evenly spaced, the last always included). ``path`` must

@@ -2,7 +2,7 @@
 
 Nasr, Shokri and Houmansadr, "Comprehensive Privacy Analysis of Deep Learning: Passive and Active
 White-box Inference Attacks against Centralized and Federated Learning" (IEEE S&P 2019), the attack PPFL
-(004_f28ec6505072f6a8.txt, Sec. 5.3 and Table 2) runs as its MIA and reports by precision. For each
+(Sec. 5.3 and Table 2) runs as its MIA and reports by precision. For each
 example ``(x, y)`` and each model snapshot ``f`` the observer saw, the attack extracts what a white-box
 observer can compute:
 

@@ -9,7 +9,7 @@ predicts "member" when its loss is at most the model's expected training loss,
 with ``l`` the cross-entropy. The membership score here is ``-l(f, z)`` (higher = more likely a member),
 so the rule reads ``score >= -tau``. When the attacker knows the mean training loss ``tau`` (it is an
 argument) the report carries Yeom's threshold figures; otherwise only the threshold-free figures (AUC,
-TPR at low FPR). This is the attack PPFL (004_f28ec6505072f6a8.txt, Sec. 2.2) lists among MIAs that
+TPR at low FPR). This is the attack PPFL (Sec. 2.2) lists among MIAs that
 work on the final model alone.
 """
 

@@ -1,7 +1,7 @@
 """Property inference from model updates: the batch-property attack of Melis et al. 2019.
 
 Melis, Song, De Cristofaro and Shmatikov, "Exploiting Unintended Feature Leakage in Collaborative
-Learning" (IEEE S&P 2019), the PIA PPFL (004_f28ec6505072f6a8.txt, Sec. 2.2, 5.3) runs and reports by AUC
+Learning" (IEEE S&P 2019), the PIA PPFL (Sec. 2.2, 5.3) runs and reports by AUC
 (Table 2). The attacker holds auxiliary data labelled with a property that need not relate to the main
 task (e.g. a data subgroup). At each model snapshot ``theta`` an observer saw, it computes the updates a
 client would upload for batches *with* the property (``b_prop``: a ``property_fraction`` of the batch has

@@ -5,7 +5,7 @@ training set for membership inference, an update from a batch with the property 
 against the truth, in the figures the literature reports:
 
 - ROC AUC as the Mann-Whitney statistic ``P(s_pos > s_neg) + 1/2 P(s_pos = s_neg)`` (PPFL,
-  004_f28ec6505072f6a8.txt, Table 2 reports it for property inference), with two standard errors: DeLong
+  [PPFL], Table 2 reports it for property inference), with two standard errors: DeLong
   et al. (1988)'s estimate from placement values, and the exact standard error under the null hypothesis
   that the scores carry no information (the permutation distribution of the Mann-Whitney U, ties
   corrected), against which "AUC ~ 0.5" is judged;

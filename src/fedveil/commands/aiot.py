@@ -1,4 +1,4 @@
-"""``fedveil aiot``: the AIoT private-projector framework (002_a446963dedd95f77.txt).
+"""``fedveil aiot``: the AIoT private-projector framework.
 
 - ``fedveil aiot run CONFIG [--out DIR] [--trials N] [--methods M,...] [--json] [--resume | --overwrite]``:
   Tables 1 and 2 (the pre-trained model, SOLO, centralized, the protocol and its ablations, TAR at FAR

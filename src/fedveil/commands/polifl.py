@@ -1,4 +1,4 @@
-"""``fedveil polifl``: PoliFL's policy-compliant federated learning (003_d27972a5478cff69.txt).
+"""``fedveil polifl``: PoliFL's policy-compliant federated learning.
 
 - ``fedveil polifl run CONFIG [--out DIR] [--strategies S,...] [--rounds R] [--json] [--resume |
   --overwrite]``: the compliance strategies of Sec. 6 (cascaded, combined, single group) with per-group

@@ -1,4 +1,4 @@
-"""``fedveil ppfl run CONFIG``: PPFL's greedy layer-wise training in emulated TEEs (004_f28ec6505072f6a8.txt).
+"""``fedveil ppfl run CONFIG``: PPFL's greedy layer-wise training in emulated TEEs.
 
 - ``fedveil ppfl run CONFIG [--out DIR] [--rounds N] [--seed S] [--threads T] [--no-e2e] [--json]
   [--no-progress] [--resume | --overwrite]``

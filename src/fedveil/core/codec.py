@@ -1,6 +1,6 @@
 """The wire codec: the only way a message becomes bytes and bytes become a message.
 
-DESIGN.md, "Messages and the wire": a length-prefixed JSON header plus raw array buffers; no pickle, no
+The wire format: a length-prefixed JSON header plus raw array buffers; no pickle, no
 torch (this module imports neither), strict validation with errors that name the field.
 
 Wire format (all integers little-endian)::

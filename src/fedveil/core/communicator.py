@@ -1,8 +1,8 @@
 """The ``Communicator`` interface between protocol round logic and a runtime.
 
 A protocol (``fedveil.protocols.*``) talks to its clients only through this interface, so the same
-round code runs in the in-process simulation, over a network, or on a cluster (DESIGN.md, "the
-protocol contract"). A reply that does not come, comes late, or fails validation is a *dropout*:
+round code runs in the in-process simulation, over a network, or on a cluster (docs/architecture.md). A
+reply that does not come, comes late, or fails validation is a *dropout*:
 it is left out of the returned mapping and recorded with its reason, never raised.
 """
 

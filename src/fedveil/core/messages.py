@@ -1,7 +1,7 @@
 """Typed messages: frozen dataclasses registered under a unique wire name.
 
-Everything a protocol sends crosses the wire through :mod:`fedveil.core.codec` (DESIGN.md, "Messages
-and the wire"). A message class is a frozen dataclass decorated with :func:`message`; the decorator
+Everything a protocol sends crosses the wire through :mod:`fedveil.core.codec` (docs/architecture.md). A
+message class is a frozen dataclass decorated with :func:`message`; the decorator
 resolves every field annotation once, rejects what the codec cannot carry, and records a
 :class:`MessageSpec` that the codec uses to encode and strictly validate.
 

@@ -1,4 +1,4 @@
-"""FDML's CameraAuth emulation (000_5f3e2740eb021610.txt, Sec. VII-B): people as devices, photos as samples.
+"""FDML's CameraAuth emulation (Sec. VII-B): people as devices, photos as samples.
 
 "We randomly select the photos of 400 people from the VGGFace2 dataset to start the study. We use 300 of
 those people as the participants of the FDML training, and the rest 100 are used for testing. Each person

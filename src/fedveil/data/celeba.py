@@ -1,4 +1,4 @@
-"""CelebA face verification data, FedUV Sec. 6.1 (001_d8618d8a5ca71eec.txt), from the published files.
+"""CelebA face verification data, FedUV Sec. 6.1, from the published files.
 
 Expected layout (the "Align&Cropped" release of Liu et al., 2015; nothing is downloaded)::
 

@@ -1,6 +1,6 @@
 """MNIST-UV from real handwriting: EMNIST-byclass with writer ids, or LEAF FEMNIST JSON.
 
-FedUV Sec. 6.1 (001_d8618d8a5ca71eec.txt) builds MNIST-UV from EMNIST-byclass: every example is the
+FedUV Sec. 6.1 builds MNIST-UV from EMNIST-byclass: every example is the
 digits 2, 3, 4 and 5 of one writer stacked into a ``(4, 28, 28)`` array; 1,000 writers get 50 train, 15
 validation and 15 test examples, unique within a split, whose sub-images never cross splits; 1,000 other
 writers get one example each. :func:`build_mnist_uv` applies that recipe (the same

@@ -1,4 +1,4 @@
-"""Face data in its published on-disk layouts (AIoT paper 002_a446963dedd95f77.txt; FDML's CameraAuth).
+"""Face data in its published on-disk layouts ([AIoT]; FDML's CameraAuth).
 
 - **VGGFace2** (:func:`load_face_folder`): an aligned-image folder per identity, ``root/n000001/0001_01.jpg``,
   with the optional ``identity_meta.csv`` beside it (``Class_ID, Name, Sample_Num, Flag, Gender``) for the

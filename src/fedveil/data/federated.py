@@ -1,9 +1,9 @@
-"""Federated data sets: users with attributes and per-user arrays, split by user (DESIGN.md, ``data``).
+"""Federated data sets: users with attributes and per-user arrays, split by user.
 
 A :class:`FederatedDataset` is the data of a population of devices: each user (one device, one owner)
 has string attributes (``{"phone_model": "A"}``) and named numpy arrays (``{"events": (n, 10),
 "timestamps_ms": (n,)}``) that never mix with another user's. Splits are by user, so train and test
-users are always disjoint, as in FDML Sec. VII-B (000_5f3e2740eb021610.txt).
+users are always disjoint, as in FDML Sec. VII-B.
 
 Arrays are stored as read-only views: a dataset never changes after it is built.
 """

@@ -1,4 +1,4 @@
-"""MNIST-UV: handwriting user verification, FedUV Sec. 6.1 and Appendix A (001_d8618d8a5ca71eec.txt).
+"""MNIST-UV: handwriting user verification, FedUV Sec. 6.1 and Appendix A.
 
 An MNIST-UV example is a ``(4, 28, 28)`` float32 array (channels first) whose four channels are images
 of the digits 2, 3, 4 and 5 (:data:`DIGITS`, in that order) written by one writer. The paper builds it

@@ -1,4 +1,4 @@
-"""Per-user text for PoliFL's next-word prediction use case (003_d27972a5478cff69.txt, Sec. 6.1; the paper:
+"""Per-user text for PoliFL's next-word prediction use case (Sec. 6.1; the paper:
 80,000 Reddit users, which are not available here).
 
 **Real English text** that every Debian system ships: the license texts of ``base-files`` in

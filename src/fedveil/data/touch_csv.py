@@ -1,4 +1,4 @@
-"""Real touch logs from CSV, as a TouchAuth population (FDML 000_5f3e2740eb021610.txt, Sec. VII-B).
+"""Real touch logs from CSV, as a TouchAuth population (FDML, Sec. VII-B).
 
 Schema: a UTF-8 CSV file with a header row and one row per touch event. These columns are required (in
 any order; other columns are ignored):

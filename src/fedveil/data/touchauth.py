@@ -1,6 +1,6 @@
 """TouchAuth data: FDML's touch-event encoding, 30-minute samples, and a synthetic user population.
 
-FDML (000_5f3e2740eb021610.txt) Sec. VII-B and the Appendix: every touch event is the 10-dim vector
+FDML Sec. VII-B and the Appendix: every touch event is the 10-dim vector
 ``<xs, ys, xe, ye, xd, yd, dur, p, s, t>`` (:data:`FEATURES`):
 
 * ``xs, ys, xe, ye`` -- start and end coordinates divided by the screen width / height (in [0, 1]);

@@ -1,4 +1,4 @@
-"""VoxCeleb speaker verification data, FedUV Sec. 6.1 (001_d8618d8a5ca71eec.txt), from the published tree.
+"""VoxCeleb speaker verification data, FedUV Sec. 6.1, from the published tree.
 
 Expected layout (VoxCeleb1's ``wav`` release, Nagrani et al., 2017; nothing is downloaded)::
 

@@ -1,4 +1,4 @@
-"""Gradient aggregation inside the enclave: Eq. (2) of FDML (000_5f3e2740eb021610.txt, Sec. IV, step 9).
+"""Gradient aggregation inside the enclave: Eq. (2) of FDML (Sec. IV, step 9).
 
 ``G = sum_i |d_i| / |D| * g_i`` over the participants ``i`` whose local gradients arrived, where
 ``|d_i|`` is participant ``i``'s number of training samples and ``|D| = sum_i |d_i|`` (over the same

@@ -1,5 +1,5 @@
-"""Differentially private derivative release inside the enclave: FDML Alg. 2 (000_5f3e2740eb021610.txt,
-Sec. V-B) and the per-round epsilon of Thm V.1 next to a strict per-round analysis (docs/privacy.md).
+"""Differentially private derivative release inside the enclave: FDML Alg. 2 (Sec. V-B) and the per-round
+epsilon of Thm V.1 next to a strict per-round analysis (docs/privacy.md).
 
 Alg. 2 adjusts step 5 of the protocol: (1) drop each uploaded embedding independently with
 probability ``r`` (:func:`drop_embeddings`); (2) compute the loss and the derivative of the loss with

@@ -1,4 +1,4 @@
-"""PPFL's server TEE (004_f28ec6505072f6a8.txt, Alg. 1): the layer under training lives here.
+"""PPFL's server TEE (Alg. 1): the layer under training lives here.
 
 For each layer (or block of layers) ``l`` the server's enclave
 

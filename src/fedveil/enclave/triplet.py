@@ -1,4 +1,4 @@
-"""Closed-form triplet loss and per-embedding derivatives: Alg. 1 of FDML (000_5f3e2740eb021610.txt).
+"""Closed-form triplet loss and per-embedding derivatives: Alg. 1 of FDML.
 
 Definitions (Euclidean, not squared, distances ``d(x, y) = ||x - y||_2``):
 
@@ -243,7 +243,7 @@ def loss_and_derivatives(
     strategy: str = "batch-all",
     memory_limit_bytes: int | None = DEFAULT_MEMORY_LIMIT_BYTES,
 ) -> TripletResult:
-    """Alg. 1 of FDML (000_5f3e2740eb021610.txt): triplet loss and ``dloss/demb_i`` in closed form.
+    """Alg. 1 of FDML: triplet loss and ``dloss/demb_i`` in closed form.
 
     ``embeddings`` ``(N, d)`` float32 or float64 (the computation runs in that precision, accumulating
     the derivatives in float64), ``labels`` ``(N,)`` integers (e.g. the participant that uploaded each

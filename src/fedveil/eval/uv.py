@@ -1,4 +1,4 @@
-"""User-verification evaluation of FedUV Sec. 6.3, Fig. 2 and Table 3 (001_d8618d8a5ca71eec.txt).
+"""User-verification evaluation of FedUV Sec. 6.3, Fig. 2 and Table 3.
 
 Every method scores an input ``x`` against a user ``u`` with a cosine in [-1, 1] (FedUV: the Eq. 5 score
 ``(1/c) v_u^T sigma(W g(x))``; softmax and FedAwS: ``cos(g(x), w_u)``), so one score range serves all.

@@ -1,6 +1,6 @@
 """Verification metrics: empirical ROC, AUC, EER, TPR@FPR, and FDML's Alg. 4 and Sec. VII-C accuracy.
 
-FDML (000_5f3e2740eb021610.txt) authenticates a user by the Euclidean distance between a fresh embedding
+FDML authenticates a user by the Euclidean distance between a fresh embedding
 and the user's template: accept when ``distance <= threshold`` (Sec. VII-A), with the threshold chosen at
 the equal-error point by Alg. 4, and reports the mean per-user accuracy of Sec. VII-C.
 
@@ -273,7 +273,7 @@ def _embedding_matrix(name: str, values: ArrayLike, ndim: int) -> np.ndarray:
 
 
 def select_threshold(template: ArrayLike, self_embeddings: ArrayLike, other_embeddings: ArrayLike) -> float:
-    """Alg. 4 of FDML (000_5f3e2740eb021610.txt): the distance threshold where FPR ≈ FNR.
+    """Alg. 4 of FDML: the distance threshold where FPR ≈ FNR.
 
     ``template`` is ``(d,)``, ``self_embeddings`` ``(n_self, d)`` (the positives) and ``other_embeddings``
     ``(n_other, d)`` (the negatives). Distances are Euclidean distances to the template and a sample is
@@ -365,7 +365,7 @@ def authentication_accuracy(
     n_other: int = 10,
     fpr_targets: Sequence[float] = DEFAULT_FPR_TARGETS,
 ) -> AccuracyReport:
-    """DML model accuracy of FDML Sec. VII-C (000_5f3e2740eb021610.txt) on test-user embeddings.
+    """DML model accuracy of FDML Sec. VII-C on test-user embeddings.
 
     ``embeddings`` is ``(U, n_template + n_threshold + n_eval, d)`` (the paper: ``(U, 40, d)``). The split
     is fixed by position: for user ``u``, A = ``[:n_template]`` (its template is the mean of A),

@@ -1,4 +1,4 @@
-"""``fedveil aiot run CONFIG``: AIoT Tables 1 and 2 (002_a446963dedd95f77.txt, Sec. 5.3-5.4) in simulation.
+"""``fedveil aiot run CONFIG``: AIoT Tables 1 and 2 (Sec. 5.3-5.4) in simulation.
 
 The server pre-trains MobileFaceNet with an ArcFace head on the synthetic face population's **public**
 domain (:func:`~fedveil.experiments.faces_domain.train_faces`, Adam on a cosine schedule; the paper: 150

@@ -6,7 +6,7 @@
   iterations (AIoT Fig. 4). ``view="gradient"``: the client's batch gradient (DLG's setting, FedSGD);
   ``view="fedavg"``: one real FedAvg round through the engine and the codec, one local SGD step, the
   upload read off the wire by :class:`~fedveil.attacks.observe.WireObserver` (its delta over ``-lr``).
-  ``defence="projector"``: AIoT's private projector (002_a446963dedd95f77.txt, Sec. 5.5): the model's last
+  ``defence="projector"``: AIoT's private projector (Sec. 5.5): the model's last
   layer (here LeNet's classifier standing in for the paper's ArcFace projector) stays on the device, so the
   observer sees the gradient of every other layer; the attacker initialises a projector at random and
   optimises it jointly with the dummy input. ``"projector-upper-bound"``: the paper's displayed attacker,

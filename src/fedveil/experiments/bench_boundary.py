@@ -1,6 +1,6 @@
 """Benchmark: FDML step 5 (Alg. 1) across the enclave boundary versus the direct in-process call.
 
-FDML Table V (000_5f3e2740eb021610.txt, Sec. VIII) times Alg. 1 with the "batch all" strategy inside
+FDML Table V (Sec. VIII) times Alg. 1 with the "batch all" strategy inside
 SGX for 64 to 512 participants. For each participant count this measures, on the same embeddings as
 the in-process benchmark (:func:`fedveil.experiments.bench_enclave.clustered_embeddings`: ``samples``
 per participant, ``dim`` wide, float32 unit vectors, labelled by participant):

@@ -1,6 +1,6 @@
 """Benchmark: FDML Alg. 1 in the enclave (closed-form triplet loss and derivatives) against Table V.
 
-FDML (000_5f3e2740eb021610.txt, Sec. VIII-4, Table V) times Alg. 1 with the "batch all" strategy inside
+FDML (Sec. VIII-4, Table V) times Alg. 1 with the "batch all" strategy inside
 SGX on an i7-7700HQ: 0.48 s for 64 participants up to 63.65 s for 512. For each participant count this
 times :func:`fedveil.enclave.triplet.loss_and_derivatives` in this process on float32 embeddings (what
 the protocol sends): ``samples`` per participant, ``dim`` wide, labelled by participant, drawn around a

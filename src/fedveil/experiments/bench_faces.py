@@ -1,5 +1,5 @@
-"""``fedveil bench mobilefacenet``: images per second of MobileFaceNet's forward + backward (the AIoT
-issue's speed row): an ArcFace loss over ``classes`` identities on random images of the given side,
+"""``fedveil bench mobilefacenet``: images per second of MobileFaceNet's forward + backward:
+an ArcFace loss over ``classes`` identities on random images of the given side,
 batch ``batch_size``, at each of ``threads`` torch thread counts; the median of ``repeats`` timed steps
 after one warm-up step, BatchNorm in training mode (pre-training) and frozen (fine-tuning, Sec. 4.1).
 

@@ -3,7 +3,7 @@
 
 ``bench_fedavg_updates`` times :class:`~fedveil.protocols.fedavg.ModelClients` answering one
 :class:`~fedveil.protocols.messages.FitRequest` for ``clients`` clients that each run ``local_epochs`` over
-``samples`` examples in batches of ``batch_size`` (the issue's setting: LeNet on 28 x 28 inputs, batch 16,
+``samples`` examples in batches of ``batch_size`` (the default setting: LeNet on 28 x 28 inputs, batch 16,
 one epoch of 500 samples), after one untimed warm-up, through the client pool directly (no codec).
 """
 

@@ -1,5 +1,5 @@
 """``fedveil bench network``: many device agents on loopback, FedAvg rounds of a ~1 MB model, every agent
-selected (issue: networked runtime, load and speed).
+selected.
 
 The server is a :class:`~fedveil.runtime.network.server.NetworkRuntime` with mutual TLS (a throw-away
 PKI, one certificate per device); the devices are spread over at most ``processes`` agent processes, each

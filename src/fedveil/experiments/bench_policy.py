@@ -1,4 +1,4 @@
-"""``fedveil bench policy``: the cost of PoliFL enforcement (the PoliFL issue's speed row).
+"""``fedveil bench policy``: the cost of PoliFL enforcement.
 
 - one policy advance (a derivative and its canonical reductions) of Sec. 3.3's FL policy, the running
   sum's policy of an accumulation (intersected with a new local model's policy and advanced), each time

@@ -7,7 +7,7 @@ measures Table I's FL-traditional baseline the same way (64 devices x 8 samples,
 FedAvg's weighted average), with a floor of its own: the devices' FLOPs at the peak GEMM rate, every
 message encoded and decoded once, and one read of every reply for the average.
 
-The floor (issue: FDML at the paper's scale, "know the floor") is measured in the same run:
+The floor (what no implementation can beat) is measured in the same run:
 
 - ``device_flops_per_round``: floating-point operations of the devices' work in one round (forward of
   the cohort's samples and the per-device backward), *counted* by torch's ``FlopCounterMode`` over the

@@ -77,7 +77,7 @@ def train_central_touchauth(
     seed: int = 0,
     num_threads: int | None = None,
 ) -> dict[str, float | int | str]:
-    """Train the TouchAuth net centrally and report Sec. VII-C accuracies (FDML 000_5f3e2740eb021610.txt).
+    """Train the TouchAuth net centrally and report Sec. VII-C accuracies (FDML).
 
     ``steps`` Adam steps at learning rate ``lr`` on :func:`batch_all_triplet_loss` with ``margin``; each
     step draws a phone model uniformly, ``batch_users`` of its training users (all when it has fewer) and

@@ -1,4 +1,4 @@
-"""``fedveil aiot faces``: how hard the synthetic face population is (the AIoT issue's data item).
+"""``fedveil aiot faces``: how hard the synthetic face population is.
 
 A server pre-trains MobileFaceNet with an ArcFace head on the **public** domain
 (:func:`~fedveil.data.faces.synthetic_faces`), as the AIoT paper pre-trains on MS-Celeb-1M; the model is

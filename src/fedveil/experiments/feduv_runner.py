@@ -1,4 +1,4 @@
-"""Table 3's MNIST-UV rows (001_d8618d8a5ca71eec.txt, Sec. 6 and Appendix D): softmax, FedAwS and FedUV.
+"""Table 3's MNIST-UV rows ([FedUV], Sec. 6 and Appendix D): softmax, FedAwS and FedUV.
 
 :func:`run_feduv` trains every requested method on the same synthetic MNIST-UV data
 (:func:`fedveil.data.mnist_uv.generate_mnist_uv`) through the simulation runtime, deploys it with the

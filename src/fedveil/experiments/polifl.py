@@ -1,5 +1,5 @@
-"""``fedveil polifl run CONFIG``: PoliFL's compliance strategies with per-group DP (003_d27972a5478cff69.txt,
-Sec. 6, Fig. 6-7, Tables 4-5) in simulation.
+"""``fedveil polifl run CONFIG``: PoliFL's compliance strategies with per-group DP ([PoliFL], Sec. 6, Fig.
+6-7, Tables 4-5) in simulation.
 
 A config names the task (``images``: a zoo classifier on real Fashion-MNIST when installed, split over
 clients by a Dirichlet prior; ``mpu``: the engagement LSTM on the **synthetic** MPU population of

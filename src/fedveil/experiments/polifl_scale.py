@@ -1,4 +1,4 @@
-"""``fedveil polifl scale``: PoliFL's network and system overheads (003_d27972a5478cff69.txt, Sec. 5.3,
+"""``fedveil polifl scale``: PoliFL's network and system overheads (Sec. 5.3,
 Fig. 4) and its scaling to many simultaneous devices (Sec. 5.4, Fig. 5), measured over the networked
 runtime.
 

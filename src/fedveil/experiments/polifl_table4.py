@@ -1,4 +1,4 @@
-"""PoliFL Table 4 (003_d27972a5478cff69.txt, Sec. 6): privacy spent per group for single-group, combined
+"""PoliFL Table 4 (Sec. 6): privacy spent per group for single-group, combined
 and cascaded training, recomputed with :class:`~fedveil.privacy.groups.GroupLedger` beside the paper's
 figures (delta 1e-8, round size C = 5,000, groups of 10^8 users, 1,000 / 2,000 rounds).
 

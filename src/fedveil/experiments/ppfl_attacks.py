@@ -1,4 +1,4 @@
-"""PPFL Table 2 (004_f28ec6505072f6a8.txt, Sec. 6.1): each attack on exactly what each observer sees, E2E
+"""PPFL Table 2 (Sec. 6.1): each attack on exactly what each observer sees, E2E
 FedAvg against PPFL.
 
 One member split (the membership target's recipe, :func:`fedveil.experiments.attack_runs.membership_run`:

@@ -1,5 +1,5 @@
 """Differential privacy for an FDML run: calibrate the Laplace scale, build the ledger, refuse a plan
-that cannot meet its whole-training target (issue: honest privacy accounting over whole trainings)."""
+that cannot meet its whole-training target."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One-command reproduction of the FDML paper's tables (000_5f3e2740eb021610.txt, Tables I-IV).
+"""One-command reproduction of the FDML paper's tables (Tables I-IV).
 
 ``table1``-``table3`` are TouchAuth's cells; ``camera1``, ``camera2`` and ``camera4`` the CameraAuth cells of
 Tables I, II and IV (configs in ``configs/fdml/``); ``partial`` is not a paper table but the experiment that

@@ -1,4 +1,4 @@
-"""Run one experiment from its config and write its run directory (DESIGN.md, "Results").
+"""Run one experiment from its config and write its run directory.
 
 ``runs/<name>/`` receives ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one JSON line per
 round, fsynced as it is written, plus one ``{"eval": ...}`` line per evaluation), ``checkpoint.npz``

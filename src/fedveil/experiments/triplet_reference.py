@@ -1,4 +1,4 @@
-"""Brute-force reference for FDML Alg. 1 (000_5f3e2740eb021610.txt): torch autograd over every triplet.
+"""Brute-force reference for FDML Alg. 1: torch autograd over every triplet.
 
 Independent of :mod:`fedveil.enclave.triplet`: the valid triplets ``(a, p, n)`` are enumerated explicitly
 from the full ``N x N x N`` index grid, the distances are norms of explicit difference vectors (no Gram

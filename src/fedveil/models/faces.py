@@ -1,4 +1,4 @@
-"""Face models of the AIoT paper (002_a446963dedd95f77.txt, Sec. 5.2): MobileFaceNet and the ArcFace head.
+"""Face models of the AIoT paper (Sec. 5.2): MobileFaceNet and the ArcFace head.
 
 :class:`MobileFaceNet` is Chen et al. (2018)'s network ("MobileFaceNets: Efficient CNNs for Accurate
 Real-Time Face Verification on Mobile Devices", Table 1) at 112 x 112 x 3, with the AIoT paper's
@@ -35,8 +35,8 @@ setting, by default.
 
 :class:`ResNet34Embedding` is He et al. (2016)'s ResNet-34 (basic blocks ``[3, 4, 6, 3]`` of 64, 128, 256,
 512 channels after a 7 x 7 stride-2 convolution and a max pooling, then global average pooling) whose
-classifier is replaced by a linear map to a 64-d embedding: FDML's CameraAuth network
-(000_5f3e2740eb021610.txt, Sec. VII-B). Its backbone has torchvision's 21,284,672 parameters.
+classifier is replaced by a linear map to a 64-d embedding: FDML's CameraAuth network (Sec. VII-B). Its
+backbone has torchvision's 21,284,672 parameters.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The user-verification networks of FedUV's Table 2 and its positive-only loss (001_d8618d8a5ca71eec.txt).
+"""The user-verification networks of FedUV's Table 2 and its positive-only loss.
 
 Table 2 (Appendix B), read layer by layer; ``convxd(c1, c2, k, p)`` has padding ``p = 1`` unless
 stated, every block is ``conv -> relu -> max_pool(s) -> GN(2)`` (``nn.GroupNorm(2, c2)``), then

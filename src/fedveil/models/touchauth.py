@@ -1,4 +1,4 @@
-"""The TouchAuth embedding network of FDML (000_5f3e2740eb021610.txt, Appendix).
+"""The TouchAuth embedding network of FDML (Appendix).
 
 The Appendix lists it as PyTorch code::
 

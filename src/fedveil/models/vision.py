@@ -1,4 +1,4 @@
-"""The image classifiers of PPFL's Table 1 (004_f28ec6505072f6a8.txt, Sec. 5.2) and DLG's sigmoid LeNet.
+"""The image classifiers of PPFL's Table 1 (Sec. 5.2) and DLG's sigmoid LeNet.
 
 Table 1 writes each network as a chain: ``C<n>`` a convolution with ``n`` filters (5 x 5 in LeNet, 3 x 3
 in AlexNet, VGG9 and VGG16), ``FC<n>`` a fully connected layer, ``MP`` max pooling, ``AP<s>`` average

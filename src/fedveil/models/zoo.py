@@ -1,4 +1,4 @@
-"""The model zoo: PPFL's Table 1 networks and DLG's sigmoid LeNet by name (004_f28ec6505072f6a8.txt Sec. 5.2).
+"""The model zoo: PPFL's Table 1 networks and DLG's sigmoid LeNet by name ([PPFL] Sec. 5.2).
 
 :func:`build_model` is how experiments pick a network: ``lenet``, ``alexnet``, ``vgg9``, ``vgg16`` and
 ``mobilenetv2`` are PPFL's Table 1 (see :mod:`fedveil.models.vision` for how each reading of the table
@@ -47,7 +47,7 @@ def darknet_init_(model: nn.Module) -> nn.Module:
     ``U(-s, s)`` with ``s = sqrt(2 / fan_in)`` and their biases zero (``make_convolutional_layer`` and
     ``make_connected_layer``: ``scale * rand_uniform(-1, 1)``, biases from ``calloc``).
 
-    PPFL's implementation trains in Darknet (004_f28ec6505072f6a8.txt, Sec. 5), so this is how its
+    PPFL's implementation trains in Darknet (Sec. 5), so this is how its
     networks start. The weights' variance, ``2 / (3 fan_in)``, is twice PyTorch's default: a deep ReLU
     network without batch norm such as VGG9 keeps a usable signal from it, where PyTorch's default leaves
     VGG9 at chance for several epochs at PPFL's learning rate. Other parameters (batch norm) keep their

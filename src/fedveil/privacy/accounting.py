@@ -1,6 +1,6 @@
 """Privacy accounting over `dp-accounting`: describe what was released, then ask for epsilon or delta.
 
-Three immutable event types describe releases (the dp-accounting ``DpEvent`` idea, see STYLE.md):
+Three immutable event types describe releases (the idea of dp-accounting's ``DpEvent``):
 
 - :class:`LaplaceRelease`: ``f(D) + Lap(scale_b)`` per coordinate, ``f`` of L1 sensitivity
   ``sensitivity``, optionally on a Poisson sample of rate ``sampling_rate``; ``count`` times.

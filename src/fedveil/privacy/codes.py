@@ -1,4 +1,4 @@
-"""Binary BCH codes for FedUV's secret codewords (001_d8618d8a5ca71eec.txt, Sec. 2.3, 4.2 and Table 1).
+"""Binary BCH codes for FedUV's secret codewords (Sec. 2.3, 4.2 and Table 1).
 
 FedUV (Alg. 2) turns each user's message ``m_u = b_u || r_u`` of ``k`` bits into a codeword
 ``v_u = C(m_u)`` of ``n = 2^i - 1`` bits with a binary BCH code ``C``. The codes here are the

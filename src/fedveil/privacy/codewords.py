@@ -1,4 +1,4 @@
-"""FedUV's codeword selection (001_d8618d8a5ca71eec.txt, Sec. 4.2 and Alg. 2, "Codeword Selection").
+"""FedUV's codeword selection (Sec. 4.2 and Alg. 2, "Codeword Selection").
 
 1. Server: :func:`assign_base_vectors` gives every user ``u`` a unique binary base vector ``b_u`` of
    ``l_b >= log2 K`` bits (the paper uses ``l_b = 32``).

@@ -1,4 +1,4 @@
-"""Per-group privacy accounting for PoliFL's client-level DP-FedAvg (003_d27972a5478cff69.txt, Sec. 2.4
+"""Per-group privacy accounting for PoliFL's client-level DP-FedAvg (Sec. 2.4
 and 6; McMahan et al. 2018, "Learning differentially private recurrent language models").
 
 **Mechanism.** A DP round sums the cohort's clipped updates ``sum_i Clip(L_i - G, S)`` and adds Gaussian

@@ -1,4 +1,4 @@
-"""PoliFL's data-policy pairs and where commands run (003_d27972a5478cff69.txt, Sec. 3.3 and 4.1).
+"""PoliFL's data-policy pairs and where commands run ([PoliFL], Sec. 3.3 and 4.1).
 
 A :class:`DataPolicyPair` holds a value and the :mod:`~fedveil.privacy.policy` that governs it. It is
 opaque: it has no attribute that returns the value, its ``repr`` shows only the policy, and it cannot be
@@ -13,7 +13,7 @@ their advanced policies (Sec. 3.3: ``P_model & P_data``). A refused command rais
 have accepted; no part of any value is ever in the message.
 
 The opacity is a Python object's: a program that can reach :func:`unwrap` or the pair's slots can read
-the value. Third-party programs therefore run in the sandbox (the issue's item 4), which refuses names
+the value. Third-party programs therefore run in the sandbox, which refuses names
 that start with an underscore and gives programs only the trusted library, never this module.
 """
 

@@ -1,4 +1,4 @@
-"""FDML: federated deep metric learning with a split model (000_5f3e2740eb021610.txt).
+"""FDML: federated deep metric learning with a split model.
 
 Devices hold the embedding network and their data; the server computes the triplet loss and the
 derivative of the loss w.r.t. every embedding inside its enclave (Alg. 1), sends each device the

@@ -23,7 +23,7 @@ plain functions in the style of Flower's strategies (wrap them, do not fork the 
 :class:`~fedveil.data.federated.FederatedDataset` whose users hold ``x`` and ``y`` arrays, with the global
 model evaluated on a test split every ``eval_every`` rounds (:func:`evaluate_model`).
 
-**FL-traditional**, FDML's baseline (Sec. VIII-B1 of 000_5f3e2740eb021610.txt), runs on the same engine:
+**FL-traditional**, FDML's baseline (Sec. VIII-B1 of [FDML]), runs on the same engine:
 "We replace the DML loss with the cross-entropy loss, and the last layer of the original embedding network
 is connected with a fully connected layer whose output has as many dimensions as the number of
 participants. The participant of FL-traditional will only perform one training iteration in each training

@@ -1,4 +1,4 @@
-"""FedUV (001_d8618d8a5ca71eec.txt, Alg. 2) and its baselines softmax and FedAwS, in one FedAvg harness.
+"""FedUV (Alg. 2) and its baselines softmax and FedAwS, in one FedAvg harness.
 
 All three methods train a user-verification net ``x -> g_theta(x) -> FC (W, b)`` (Table 2; any module
 with a ``features`` feature extractor and an ``fc`` :class:`torch.nn.Linear` head) with FedAvg as the

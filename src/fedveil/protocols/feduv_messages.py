@@ -1,4 +1,4 @@
-"""Typed messages of FedUV and its baselines (001_d8618d8a5ca71eec.txt, Alg. 1 and 2; Yu et al. 2020).
+"""Typed messages of FedUV and its baselines (Alg. 1 and 2; Yu et al. 2020).
 
 Every wire name starts with ``feduv.``; FedUV, softmax and FedAwS share the training, deployment and
 evaluation messages and differ only in the set-up message (a base vector for FedUV, a class index for

@@ -1,5 +1,5 @@
 """PoliFL on the FedAvg engine: the trusted library, policy-enforcing devices, per-group DP rounds and the
-compliance strategies (003_d27972a5478cff69.txt, Sec. 2.4, 3.3, 6; Alg. 1-5).
+compliance strategies ([PoliFL], Sec. 2.4, 3.3, 6; Alg. 1-5).
 
 **The trusted library** (Policile's functions; every one goes through
 :func:`fedveil.privacy.pairs.apply`, which checks the command against each input pair's policy and the

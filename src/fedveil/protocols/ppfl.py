@@ -1,4 +1,4 @@
-"""PPFL: greedy layer-wise federated training inside client and server TEEs (004_f28ec6505072f6a8.txt).
+"""PPFL: greedy layer-wise federated training inside client and server TEEs ([PPFL]).
 
 **Stages.** A :class:`~fedveil.models.vision.LayerwiseNet` is a chain of layer units. PPFL trains its
 convolutional units one at a time (or in blocks of ``k``, Sec. 6.5), each with a classifier ``C`` atop

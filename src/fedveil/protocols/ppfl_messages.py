@@ -1,4 +1,4 @@
-"""Typed messages of PPFL (004_f28ec6505072f6a8.txt, Alg. 1 and 2).
+"""Typed messages of PPFL (Alg. 1 and 2).
 
 Every wire name starts with ``ppfl.``. While a layer trains, its parameters travel only inside
 ``record`` fields: AES-GCM records sealed between the server's enclave and one client's TEE

@@ -1,4 +1,4 @@
-"""The AIoT private-projector protocol (002_a446963dedd95f77.txt, Sec. 3-4) on the FedAvg engine.
+"""The AIoT private-projector protocol (Sec. 3-4) on the FedAvg engine.
 
 A server pre-trains the face representation model ``f_theta1`` (MobileFaceNet) with an ArcFace classifier
 on a public population and sends it to the devices. Each device appends its own **private projector**

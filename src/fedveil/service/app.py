@@ -1,4 +1,4 @@
-"""The PoliFL server as a web service (003_d27972a5478cff69.txt, Sec. 4.2, Fig. 1): the Access Service API
+"""The PoliFL server as a web service (Sec. 4.2, Fig. 1): the Access Service API
 for third-party applications and the administrators' policy dashboard, on FastAPI.
 
 **Access Service API** (``/api/v1``, documented by the served OpenAPI schema at ``/openapi.json``): an

@@ -1,4 +1,4 @@
-"""Jobs of the PoliFL service (003_d27972a5478cff69.txt, Sec. 4.2): a third-party application's request
+"""Jobs of the PoliFL service (Sec. 4.2): a third-party application's request
 (a global program, a local program, a model from the allow-list with its hyper-parameters, the groups it
 asks for) checked against the groups' policies before anything runs, then run through Policile.
 

@@ -1,4 +1,4 @@
-"""Policy-enforcing device agents over the networked runtime (003_d27972a5478cff69.txt, Sec. 4.3 and Fig. 1).
+"""Policy-enforcing device agents over the networked runtime ([PoliFL], Sec. 4.3 and Fig. 1).
 
 **The server's device port** (:class:`DeviceNetwork`): a
 :class:`~fedveil.runtime.network.server.NetworkRuntime` with mutual TLS under the service's PKI (the paper

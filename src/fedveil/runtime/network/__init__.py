@@ -1,1 +1,1 @@
-"""The networked runtime: a gRPC server-side Communicator and device agents over mutual TLS (DESIGN.md)."""
+"""The networked runtime: a gRPC server-side Communicator and device agents over mutual TLS."""

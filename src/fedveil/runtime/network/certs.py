@@ -1,5 +1,5 @@
 """The PKI of the networked runtime: a private CA, the server's certificate, device certificates,
-one-time enrolment tokens and revocation (DESIGN.md, docs/deployment.md).
+one-time enrolment tokens and revocation (docs/deployment.md).
 
 A PKI directory made by :func:`init_pki` holds
 

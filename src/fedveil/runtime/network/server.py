@@ -1,5 +1,5 @@
 """The server side of the networked runtime: a :class:`~fedveil.core.communicator.Communicator` over
-gRPC streams that device agents dial in to (DESIGN.md, "the protocol contract").
+gRPC streams that device agents dial in to.
 
 Each agent holds one long-lived bidirectional stream (:mod:`fedveil.runtime.network.wire`). The server's
 :meth:`NetworkRuntime.available` are the devices whose stream is open and whose hello was accepted;
