@@ -28,7 +28,7 @@ VARIANTS = {
 
 ONE = """
 import json, sys
-import fedveil.experiments.bench_rounds as br
+import fedveil.experiments.bench.rounds as br
 import fedveil.runtime.enclave_host as eh
 from fedveil.core.heap import HEAP_RETAINING_ENV
 v = json.loads(sys.argv[1])

@@ -29,7 +29,7 @@ import torch
 import fedveil.runtime.enclave_host as enclave_host
 from fedveil.core.heap import retain_freed_memory
 from fedveil.experiments.config import load_config
-from fedveil.experiments.runner import build_population, build_trainer
+from fedveil.experiments.fdml.runner import build_population, build_trainer
 
 
 def _timed(calls: dict[str, list[float]], cls: type, name: str, key: str) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from fedveil.core.heap import retain_freed_memory
 from fedveil.experiments.config import load_config
-from fedveil.experiments.runner import build_clients, build_population
+from fedveil.experiments.fdml.runner import build_clients, build_population
 from fedveil.protocols.fedavg import FedAvgClients
 from fedveil.protocols.messages import TrainRequest
 
@@ -39,7 +39,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "table1_fl_lr0.1.yaml
 
 RUN = """
 import functools, json, sys
-import fedveil.experiments.runner as runner
+import fedveil.experiments.fdml.runner as runner
 from fedveil.experiments.config import load_config
 if sys.argv[1] == "vmap":
     runner.FedAvgClients = functools.partial(runner.FedAvgClients, written_backward=False)

@@ -1,4 +1,4 @@
-"""The Table V benchmark of the enclave's Alg. 1 (fedveil.experiments.bench_enclave, ``fedveil bench``)."""
+"""The Table V benchmark of the enclave's Alg. 1 (fedveil.experiments.bench.enclave, ``fedveil bench``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.experiments.bench_enclave import PAPER_TABLE_V_SECONDS, bench_enclave, clustered_embeddings
+from fedveil.experiments.bench.enclave import PAPER_TABLE_V_SECONDS, bench_enclave, clustered_embeddings
 
 
 def test_rows_carry_timing_memory_error_and_the_paper_column() -> None:

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.experiments.bench_peers import bench_peers, write_task
-from fedveil.experiments.bench_scale import scale_users
+from fedveil.experiments.bench.peers import bench_peers, write_task
+from fedveil.experiments.bench.scale import scale_users
 from fedveil.models.weights import load_weights
 from fedveil.models.zoo import build_model
 

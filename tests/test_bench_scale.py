@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedveil.experiments.bench_scale import scale_clients
+from fedveil.experiments.bench.scale import scale_clients
 
 
 def test_clients_view_one_shared_array_and_a_shard_builds_only_its_own() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedveil.cli import main
-from fedveil.experiments.attack_runs import last_layer
+from fedveil.experiments.attacks.runs import last_layer
 from fedveil.models.zoo import build_model
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.experiments import polifl
-from fedveil.experiments.polifl import load_polifl_run
+from fedveil.experiments.polifl.runner import load_polifl_run
+from fedveil.experiments.polifl import runner as polifl
 
 TINY = """
 name: tiny
@@ -149,7 +149,7 @@ def test_table4_readings_against_the_paper(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_bench_polifl_measures_both_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedveil.experiments import bench_polifl
+    from fedveil.experiments.bench import polifl as bench_polifl
 
     _config(tmp_path)
     monkeypatch.setattr(bench_polifl, "USE_CASES", {"mpu": "tiny.yaml"})

@@ -10,7 +10,7 @@ import pytest
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.experiments.ppfl_runner import load_ppfl_run
+from fedveil.experiments.ppfl.runner import load_ppfl_run
 
 TINY = """
 name: tiny
@@ -146,7 +146,7 @@ def test_ppfl_transfer_sweep_resumes_and_draws_fig_8(tmp_path: Path, capsys) -> 
 def test_ppfl_transfer_from_a_safetensors_file(tmp_path: Path) -> None:
     """Sec. 4.3 with a model pre-trained elsewhere: its weights come from safetensors (never pickle); a
     file of another architecture is refused before training, naming the tensor."""
-    from fedveil.experiments.ppfl_runner import run_ppfl
+    from fedveil.experiments.ppfl.runner import run_ppfl
     from fedveil.models.weights import save_weights
     from fedveil.models.zoo import build_model
 
@@ -211,8 +211,8 @@ def test_an_interrupted_run_resumes_after_its_last_finished_stage(
     to the devices again and trains stages 1 and 2 only; the finished run's checkpoint is removed."""
     import numpy as np
 
-    from fedveil.experiments import ppfl_runner
     from fedveil.experiments.checkpoint import load_checkpoint
+    from fedveil.experiments.ppfl import runner as ppfl_runner
     from fedveil.protocols.ppfl import PpflServer
 
     config = tmp_path / "tiny.yaml"

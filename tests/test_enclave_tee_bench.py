@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fedveil.errors import ConfigError
-from fedveil.experiments.bench_boundary import bench_enclave_boundary
-from fedveil.experiments.bench_enclave import PAPER_TABLE_V_SECONDS
+from fedveil.experiments.bench.boundary import bench_enclave_boundary
+from fedveil.experiments.bench.enclave import PAPER_TABLE_V_SECONDS
 
 
 def test_rows_report_both_paths_and_identical_derivatives() -> None:

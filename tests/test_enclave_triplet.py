@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 from fedveil.enclave import triplet
 from fedveil.enclave.triplet import STRATEGIES, loss_and_derivatives
 from fedveil.errors import ConfigError, FedveilError, ValidationError
-from fedveil.experiments.triplet_reference import reference_fits, reference_loss_and_derivatives
+from fedveil.experiments.fdml.triplet_reference import reference_fits, reference_loss_and_derivatives
 
 MODES = tuple(STRATEGIES)
 

@@ -1,4 +1,4 @@
-"""Tests of fedveil.experiments.central: the batch-all triplet loss and central TouchAuth training."""
+"""Tests of fedveil.experiments.fdml.central: the batch-all triplet loss and central TouchAuth training."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from fedveil.data.touchauth import TouchAuthConfig, TouchAuthPopulation, generate_touchauth
 from fedveil.errors import ConfigError
-from fedveil.experiments.central import (
+from fedveil.experiments.fdml.central import (
     batch_all_triplet_loss,
     embed_samples,
     mean_feature_embeddings,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fedveil.data.faces import FaceImages, sample_grid
-from fedveil.experiments.faces_domain import FaceDomainRun, measure_domain_gap, verification
+from fedveil.experiments.aiot.faces_domain import FaceDomainRun, measure_domain_gap, verification
 
 
 class _AngleOfChannel0(nn.Module):

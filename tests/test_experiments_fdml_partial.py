@@ -14,7 +14,7 @@ import torch
 from fedveil.enclave.triplet import loss_and_derivatives
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import load_config
-from fedveil.experiments.fdml_partial import device_gradients, gradient_agreement, main
+from fedveil.experiments.fdml.partial import device_gradients, gradient_agreement, main
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
 

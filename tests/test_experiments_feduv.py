@@ -11,9 +11,9 @@ import torch
 
 from fedveil import cli
 from fedveil.errors import ConfigError
-from fedveil.experiments import feduv_runner
 from fedveil.experiments.checkpoint import load_checkpoint
-from fedveil.experiments.feduv_runner import (
+from fedveil.experiments.feduv import runner as feduv_runner
+from fedveil.experiments.feduv.runner import (
     PAPER_TABLE3_MNIST_UV,
     SCALES,
     FeduvRunConfig,

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from fedveil.errors import ConfigError
-from fedveil.experiments import ppfl_attacks
-from fedveil.experiments.attack_runs import membership_run
+from fedveil.experiments.attacks.runs import membership_run
 from fedveil.experiments.fedavg_images import FedAvgRun, split_images
-from fedveil.experiments.ppfl_attacks import ppfl_attack_table
-from fedveil.experiments.ppfl_runner import train_ppfl
+from fedveil.experiments.ppfl import attacks as ppfl_attacks
+from fedveil.experiments.ppfl.attacks import ppfl_attack_table
+from fedveil.experiments.ppfl.runner import train_ppfl
 
 TINY = {
     "aux_examples": 40,
@@ -89,7 +89,7 @@ def test_model_init_and_classifier_pool_reach_every_part(monkeypatch: pytest.Mon
         calls.append(init)
         raise RuntimeError("stop after building")
 
-    from fedveil.experiments import attack_runs
+    from fedveil.experiments.attacks import runs as attack_runs
 
     monkeypatch.setattr(attack_runs, "build_model", fake_build)
     for run in (
@@ -110,7 +110,7 @@ def test_e2e_rows_are_kept_attack_by_attack_and_dlg_target_by_target(
     attacks are parts of their own, and a rerun reads every finished one. DLG's summary over the kept
     targets is the one ``run_inversion`` gives over all of them; an earlier run's single ``e2e`` part is
     still read."""
-    from fedveil.experiments import attack_runs
+    from fedveil.experiments.attacks import runs as attack_runs
 
     def score(auc: float) -> dict[str, float]:
         return {"auc": auc, "precision": 0.5}
@@ -158,7 +158,7 @@ def test_e2e_rows_are_kept_attack_by_attack_and_dlg_target_by_target(
 
 
 def test_inversion_targets_one_at_a_time_are_the_whole_run_s() -> None:
-    from fedveil.experiments.attack_runs import run_inversion, summarize_targets
+    from fedveil.experiments.attacks.runs import run_inversion, summarize_targets
 
     kw = {"data": "synthetic-fashion-mnist:1500", "targets": 3, "iterations": 2, "seed": 4}
     whole = run_inversion("dlg", **kw)

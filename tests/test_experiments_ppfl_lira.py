@@ -1,4 +1,4 @@
-"""LiRA against E2E FedAvg and PPFL's releases (fedveil.experiments.ppfl_lira) on a tiny synthetic run: each
+"""LiRA against E2E FedAvg and PPFL's releases (fedveil.experiments.ppfl.lira) on a tiny synthetic run: each
 system's shadows are trained the way its target was, on halves of the candidates; a rerun resumes."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.experiments import ppfl_lira
-from fedveil.experiments.attack_runs import membership_run
+from fedveil.experiments.attacks.runs import membership_run
 from fedveil.experiments.fedavg_images import FedAvgRun
-from fedveil.experiments.ppfl_lira import SYSTEMS, ppfl_lira_table
+from fedveil.experiments.ppfl import lira as ppfl_lira
+from fedveil.experiments.ppfl.lira import SYSTEMS, ppfl_lira_table
 
 
 def _images() -> FedAvgRun:

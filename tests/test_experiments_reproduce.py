@@ -14,7 +14,7 @@ import pytest
 
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import load_checkpoint
-from fedveil.experiments.reproduce import TABLES, mean_std, reproduce, run_curves
+from fedveil.experiments.fdml.reproduce import TABLES, mean_std, reproduce, run_curves
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 TINY = [

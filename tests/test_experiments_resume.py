@@ -13,7 +13,7 @@ import pytest
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import Checkpoint, SpendLog, load_checkpoint, save_checkpoint
 from fedveil.experiments.config import load_config
-from fedveil.experiments.runner import run_experiment
+from fedveil.experiments.fdml.runner import run_experiment
 from fedveil.protocols import fdml as fdml_module
 from fedveil.protocols.fdml import FDMLServer
 from fedveil.protocols.fedavg import FedAvgServer
@@ -141,7 +141,7 @@ def test_a_torn_spend_line_is_ignored(tmp_path: Path) -> None:
 
 
 def test_a_reproducible_dp_seed_is_refused_outside_the_simulation(toy_population: Any) -> None:
-    from fedveil.experiments.runner import build_trainer
+    from fedveil.experiments.fdml.runner import build_trainer
     from fedveil.protocols.fdml import DPRelease
 
     cfg = load_config(None, SMALL)

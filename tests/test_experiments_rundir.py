@@ -24,7 +24,6 @@ import pytest
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.experiments import runner
 from fedveil.experiments.checkpoint import (
     CHECKPOINT,
     CRASH_ENV,
@@ -34,7 +33,8 @@ from fedveil.experiments.checkpoint import (
     save_checkpoint,
 )
 from fedveil.experiments.config import load_config
-from fedveil.experiments.runner import run_experiment
+from fedveil.experiments.fdml import runner
+from fedveil.experiments.fdml.runner import run_experiment
 
 CONFIG = Path(__file__).parents[1] / "configs" / "table1_fdml.yaml"
 # plain FDML (no emulated TEE), 6 + 6 synthetic users: a round takes about 0.1 s

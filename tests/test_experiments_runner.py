@@ -12,7 +12,7 @@ from fedveil.cli import main
 from fedveil.core.provenance import code_identity
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import load_config
-from fedveil.experiments.runner import run_experiment
+from fedveil.experiments.fdml.runner import run_experiment
 
 SMALL = [
     "data.train_users_per_model=[6, 6]",
@@ -108,7 +108,7 @@ def test_fdml_trains_on_real_touch_logs_in_the_csv_schema(tmp_path: Path) -> Non
     import asyncio
 
     from fedveil.data.touch_csv import FIXTURE_PATH
-    from fedveil.experiments.runner import build_population, build_trainer
+    from fedveil.experiments.fdml.runner import build_population, build_trainer
 
     cfg = load_config(
         None,

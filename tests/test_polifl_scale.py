@@ -21,7 +21,7 @@ import torch
 from fedveil.cli import main
 from fedveil.core import codec
 from fedveil.errors import ConfigError
-from fedveil.experiments.polifl_scale import PAPER, ReplayDevices, draw_tte, measure_scale, task_run
+from fedveil.experiments.polifl.scale import PAPER, ReplayDevices, draw_tte, measure_scale, task_run
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.pairs import DataPolicyPair
 from fedveil.privacy.policy import parse

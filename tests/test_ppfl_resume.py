@@ -23,8 +23,8 @@ from fedveil.cli import main
 from fedveil.enclave.layerwise import ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
 from fedveil.errors import ValidationError
-from fedveil.experiments import ppfl_runner
 from fedveil.experiments.checkpoint import CRASH_ENV, Checkpoint, load_checkpoint, save_checkpoint
+from fedveil.experiments.ppfl import runner as ppfl_runner
 from fedveil.runtime.enclave_host import EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
 

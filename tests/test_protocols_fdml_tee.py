@@ -16,8 +16,8 @@ from conftest import ToyPopulation
 from fedveil.core.attestation_verify import MeasurementMismatchError
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import load_config
-from fedveil.experiments.privacy_setup import plan_privacy
-from fedveil.experiments.runner import EMBEDDING_DIM, build_trainer
+from fedveil.experiments.fdml.privacy_setup import plan_privacy
+from fedveil.experiments.fdml.runner import EMBEDDING_DIM, build_trainer
 from fedveil.protocols.messages import EmbedReply, GradReply
 
 SMALL = [

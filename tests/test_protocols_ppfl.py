@@ -15,7 +15,7 @@ from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.enclave.layerwise import LayerwiseState, ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
 from fedveil.errors import ConfigError, ValidationError
-from fedveil.experiments.runner import device_sessions
+from fedveil.experiments.fdml.runner import device_sessions
 from fedveil.models.zoo import build_model, count_parameters
 from fedveil.protocols.fedavg import FedAvgEngine, FitResult
 from fedveil.protocols.ppfl import (

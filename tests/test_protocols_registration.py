@@ -11,7 +11,7 @@ import pytest
 
 from fedveil.core.communicator import ClientId, CommStats, Message
 from fedveil.experiments.config import load_config
-from fedveil.experiments.runner import build_trainer
+from fedveil.experiments.fdml.runner import build_trainer
 from fedveil.protocols.common import connected_groups
 from fedveil.protocols.registration import rejoin_groups
 from test_experiments_runner import SMALL

@@ -272,7 +272,7 @@ def agent_command(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 def _connected(grid: _Grid, command: list[str], **kw: Any) -> tuple[flower.FlowerRuntime, list[str]]:
-    from fedveil.experiments.runner import build_population
+    from fedveil.experiments.fdml.runner import build_population
 
     ids = list(build_population(load_config(command[2])).train_user_ids())
     runtime = flower.FlowerRuntime(grid, **kw)

@@ -23,7 +23,7 @@ import torch
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv
 from fedveil.enclave.measure import measure_enclave
 from fedveil.experiments.config import load_config
-from fedveil.experiments.runner import build_clients, build_trainer, device_sessions, enclave_config
+from fedveil.experiments.fdml.runner import build_clients, build_trainer, device_sessions, enclave_config
 from fedveil.protocols.feduv import FedUVMethod, FedUVServer, UvClients, UvModel
 from fedveil.runtime.network import certs
 from fedveil.runtime.network.agent import AgentHost

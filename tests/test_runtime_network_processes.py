@@ -16,8 +16,8 @@ import pytest
 
 from fedveil.experiments.checkpoint import SpendLog
 from fedveil.experiments.config import load_config
+from fedveil.experiments.fdml.runner import build_population
 from fedveil.experiments.network_run import PLATFORM_PUB, platform_for
-from fedveil.experiments.runner import build_population
 from fedveil.runtime.network import certs
 
 CONFIG = """\

@@ -21,8 +21,8 @@ import torch
 
 from fedveil.experiments.checkpoint import CRASH_ENV, load_checkpoint
 from fedveil.experiments.config import load_config
+from fedveil.experiments.fdml.runner import build_population, build_trainer
 from fedveil.experiments.network_run import PLATFORM_PUB, build_agent, platform_for
-from fedveil.experiments.runner import build_population, build_trainer
 from fedveil.protocols.fdml import EmbedRequest
 from fedveil.runtime.network import certs
 from fedveil.runtime.network.agent import RoundSeededPool
@@ -266,7 +266,7 @@ def test_a_restarted_agent_is_attested_afresh_and_its_devices_are_not_selected_w
 def test_round_seeded_devices_draw_the_same_for_a_round_whatever_came_before(toy_population: Any) -> None:
     """What a device draws for a round depends on the run's seed, the device and the round (and attempt)
     only: not on the rounds it was asked for before, nor on the pool being a fresh one."""
-    from fedveil.experiments.runner import build_clients
+    from fedveil.experiments.fdml.runner import build_clients
 
     cfg = load_config(None, ["protocol=fdml", "runtime.batched=false", "fdml.samples_per_client=4"])
     cid = toy_population.train_user_ids()[0]

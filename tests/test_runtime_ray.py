@@ -18,7 +18,7 @@ import pytest
 
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import effective_overrides, load_config
-from fedveil.experiments.runner import RayPlan, build_population, build_trainer
+from fedveil.experiments.fdml.runner import RayPlan, build_population, build_trainer
 from fedveil.runtime.ray import connect
 from test_experiments_runner import SMALL as RUNNER_SMALL
 

@@ -114,7 +114,7 @@ def test_a_looping_global_program_fails_within_its_budget_while_the_service_answ
 def test_a_call_into_the_server_that_outlasts_the_check_does_not_hold_the_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedveil.experiments import polifl
+    from fedveil.experiments.polifl import runner as polifl
 
     build = polifl.build_task
 
@@ -284,7 +284,7 @@ def test_unhandled_host_function_misuse_fails_the_job_with_an_audit_event(
 def test_a_server_failure_while_checking_a_job_fails_the_job_not_the_service(
     checking, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedveil.experiments import polifl
+    from fedveil.experiments.polifl import runner as polifl
 
     def exhausted(*_: Any) -> None:
         raise MemoryError("Unable to allocate 655. TiB")

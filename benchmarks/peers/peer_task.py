@@ -1,6 +1,6 @@
 """What every peer script of ``fedveil bench peers`` shares: the task folder, the model, the row.
 
-The task folder (written by :func:`fedveil.experiments.bench_peers.write_task`) holds
+The task folder (written by :func:`fedveil.experiments.bench.peers.write_task`) holds
 
 - ``manifest.json``: clients, samples per client, timed rounds, lr, batch size, local epochs, seed, data;
 - ``train.npz``: ``x`` (clients * samples, 1, 28, 28) float32 and ``y`` int64; client ``i`` owns rows

@@ -2,11 +2,11 @@
 
 - ``fedveil aiot run CONFIG [--out DIR] [--trials N] [--methods M,...] [--json] [--resume | --overwrite]``:
   Tables 1 and 2 (the pre-trained model, SOLO, centralized, the protocol and its ablations, TAR at FAR
-  1e-3 / 1e-4 over trials; :func:`fedveil.experiments.aiot.run_aiot`); ``--resume`` continues (or
+  1e-3 / 1e-4 over trials; :func:`fedveil.experiments.aiot.runner.run_aiot`); ``--resume`` continues (or
   extends, with more trials or methods) the run in its output folder.
 - ``fedveil aiot faces [--out DIR] [--epochs E] [--json]``: how hard the synthetic face population is:
   pre-trained on its public domain, evaluated on the private one, fine-tuned there and evaluated again
-  (:func:`fedveil.experiments.faces_domain.measure_domain_gap`), with a grid of sample photos.
+  (:func:`fedveil.experiments.aiot.faces_domain.measure_domain_gap`), with a grid of sample photos.
 - ``fedveil aiot efficiency [--image-size S] [--width W] [--classes N] [--json]`` prints the parameters,
   FLOPs and multiply-accumulates of one example's forward pass, the safetensors size of the network and
   the peak memory of one training step with an ArcFace head over ``N`` identities
@@ -57,7 +57,7 @@ def register(subparsers: Any) -> None:
 def _faces(args: argparse.Namespace) -> int:
     from fedveil.core.atomic import atomic_write
     from fedveil.data.faces import sample_grid
-    from fedveil.experiments.faces_domain import FaceDomainRun, measure_domain_gap
+    from fedveil.experiments.aiot.faces_domain import FaceDomainRun, measure_domain_gap
 
     cfg = FaceDomainRun(
         size=args.size,
@@ -85,7 +85,7 @@ def _faces(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fedveil.experiments.aiot import load_aiot_run, run_aiot
+    from fedveil.experiments.aiot.runner import load_aiot_run, run_aiot
 
     overrides: dict[str, Any] = {}
     if args.trials is not None:

@@ -2,12 +2,12 @@
 
 - ``fedveil attack dlg|idlg|ig [--model lenet-sigmoid] [--data fashion-mnist] [--batch 1] [--targets 10]
   [--iterations N] [--view gradient|fedavg] [--seed 0] [--out DIR] [--json]``: gradient inversion of
-  client batches (:func:`fedveil.experiments.attack_runs.run_inversion`); prints ``mse``, ``psnr``,
+  client batches (:func:`fedveil.experiments.attacks.runs.run_inversion`); prints ``mse``, ``psnr``,
   ``ssim`` (medians over targets), ``label_accuracy``; writes a PNG grid and the JSON under ``--out``.
 - ``fedveil attack mia|lira [--model lenet] [--clients 10] [--samples-per-client 40] [--rounds 40]
   [--local-epochs 5] [--shadows 8] [--seed 0] [--out DIR] [--json]``: membership inference against an
   undefended FedAvg model and its control (``mia``: Yeom and the Nasr-style white-box attack; ``lira``:
-  LiRA) (:func:`~fedveil.experiments.attack_runs.run_membership`).
+  LiRA) (:func:`~fedveil.experiments.attacks.runs.run_membership`).
 - ``fedveil attack pia [--model lenet] [--clients 20] [--samples-per-client 16] [--rounds 6] ...``:
   Melis et al.'s property inference on per-client updates, and its control.
 """
@@ -79,7 +79,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen attack and print its report."""
-    from fedveil.experiments import attack_runs
+    from fedveil.experiments.attacks import runs as attack_runs
 
     if args.attack in attack_runs.INVERSIONS:
         summary = attack_runs.run_inversion(

@@ -2,7 +2,7 @@
 
 ``fedveil bench enclave --participants 64,128,256,512 --samples 8 --dim 64 --strategy batch-all
 [--repeats 5] [--seed 0] [--margin 1.0] [--json]`` times FDML Alg. 1 in the enclave beside the paper's
-Table V (:mod:`fedveil.experiments.bench_enclave`).
+Table V (:mod:`fedveil.experiments.bench.enclave`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from fedveil.enclave.triplet import DEFAULT_MEMORY_LIMIT_BYTES, STRATEGIES
 from fedveil.errors import ConfigError
-from fedveil.experiments.triplet_reference import REFERENCE_MEMORY_BYTES
+from fedveil.experiments.fdml.triplet_reference import REFERENCE_MEMORY_BYTES
 
 
 def register(subparsers: Any) -> None:
@@ -100,7 +100,7 @@ def _run_enclave(args: argparse.Namespace) -> int:
         )
     if args.boundary != "none":
         return _run_boundary(args)
-    from fedveil.experiments.bench_enclave import bench_enclave
+    from fedveil.experiments.bench.enclave import bench_enclave
 
     rows = bench_enclave(
         args.participants,
@@ -139,7 +139,7 @@ def _run_enclave(args: argparse.Namespace) -> int:
 
 
 def _run_boundary(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_boundary import bench_enclave_boundary
+    from fedveil.experiments.bench.boundary import bench_enclave_boundary
 
     rows = bench_enclave_boundary(
         args.participants,
@@ -214,7 +214,7 @@ def _add_rounds(sub: Any) -> None:
 
 
 def _run_rounds(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_rounds import bench_rounds
+    from fedveil.experiments.bench.rounds import bench_rounds
 
     if args.rounds < 1 or args.repeats < 1 or args.threads < 1:
         raise ConfigError(
@@ -264,7 +264,7 @@ def _add_codec(sub: Any) -> None:
 
 
 def _run_codec(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_codec import bench_codec
+    from fedveil.experiments.bench.codec import bench_codec
 
     _require_positive(args, "elements", "repeats")
     row = bench_codec(elements=args.elements, repeats=args.repeats)
@@ -297,7 +297,7 @@ def _add_fedavg(sub: Any) -> None:
 
 
 def _run_fedavg(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_fedavg import bench_fedavg_updates
+    from fedveil.experiments.bench.fedavg import bench_fedavg_updates
 
     _require_positive(args, "clients", "samples", "batch_size", "epochs", "repeats")
     row = bench_fedavg_updates(
@@ -341,7 +341,7 @@ def _add_ppfl(sub: Any) -> None:
 
 
 def _run_ppfl(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_ppfl import bench_ppfl
+    from fedveil.experiments.bench.ppfl import bench_ppfl
 
     _require_positive(args, "clients", "samples", "batch_size", "epochs", "repeats")
     row = bench_ppfl(
@@ -381,7 +381,7 @@ def _add_mobilefacenet(sub: Any) -> None:
 
 
 def _run_mobilefacenet(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_faces import bench_mobilefacenet
+    from fedveil.experiments.bench.faces import bench_mobilefacenet
 
     _require_positive(args, "batch_size", "repeats")
     row = bench_mobilefacenet(
@@ -419,7 +419,7 @@ def _add_policy(sub: Any) -> None:
 
 
 def _run_policy(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_policy import bench_policy
+    from fedveil.experiments.bench.policy import bench_policy
 
     _require_positive(args, "repeats", "sandbox_runs", "union")
     row = bench_policy(repeats=args.repeats, sandbox_runs=args.sandbox_runs, union=args.union)
@@ -469,7 +469,7 @@ def _add_scale(sub: Any) -> None:
 
 
 def _run_scale(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_scale import bench_scale, measure_setting
+    from fedveil.experiments.bench.scale import bench_scale, measure_setting
 
     _require_positive(args, "ray_clients", "per_round", "rounds", "samples", "threads")
     if args.one:  # one setting, in this fresh process (bench_scale starts one per setting)
@@ -540,7 +540,7 @@ def _add_peers(sub: Any) -> None:
 def _run_peers(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fedveil.experiments.bench_peers import PEERS, bench_peers, format_table, repo_root, setup_peers
+    from fedveil.experiments.bench.peers import PEERS, bench_peers, format_table, repo_root, setup_peers
 
     if args.setup:
         peers = [name for name in args.frameworks if name in PEERS]
@@ -570,7 +570,7 @@ def _add_polifl(sub: Any) -> None:
 
 
 def _run_polifl(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_polifl import bench_polifl
+    from fedveil.experiments.bench.polifl import bench_polifl
 
     _require_positive(args, "repeats", "threads")
     rows = bench_polifl(repeats=args.repeats, threads=args.threads)
@@ -596,7 +596,7 @@ def _add_dlg(sub: Any) -> None:
 
 
 def _run_dlg(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_fedavg import bench_dlg
+    from fedveil.experiments.bench.fedavg import bench_dlg
 
     _require_positive(args, "iterations", "repeats")
     row = bench_dlg(iterations=args.iterations, repeats=args.repeats)
@@ -629,7 +629,7 @@ def _add_network(sub: Any) -> None:
 
 
 def _run_network(args: argparse.Namespace) -> int:
-    from fedveil.experiments.bench_network import bench_network
+    from fedveil.experiments.bench.network import bench_network
 
     row = bench_network(
         agents=args.agents,

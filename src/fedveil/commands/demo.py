@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train the demo and print its results table."""
-    from fedveil.experiments.runner import run_experiment
+    from fedveil.experiments.fdml.runner import run_experiment
 
     cfg = load_config(demo_config_path(), args.overrides, refuse_ignored=True)
     print(

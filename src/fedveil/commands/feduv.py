@@ -5,7 +5,7 @@
   [--train-examples N] [--fraction F] [--width-divisor W] [--narrow-head] [--seed S] [--threads T]
   [--workers N] [--json] [--no-progress] [--resume | --overwrite]``
   trains every method (with ``--resume``, only those a run directory does not hold yet), writes the run
-  directory (:func:`fedveil.experiments.feduv_runner.run_feduv`) and prints the AUC table.
+  directory (:func:`fedveil.experiments.feduv.runner.run_feduv`) and prints the AUC table.
 - ``fedveil feduv bench [--clients N] [--width-divisor W] [--threads T] [--one-by-one] [--json]``
   measures FedAvg client updates per second on the MNIST-UV net.
 """
@@ -91,8 +91,8 @@ def _table(results: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Dispatch to the action; the work is in :mod:`fedveil.experiments.feduv_runner`."""
-    from fedveil.experiments import feduv_runner as fr
+    """Dispatch to the action; the work is in :mod:`fedveil.experiments.feduv.runner`."""
+    from fedveil.experiments.feduv import runner as fr
 
     if args.action == "agent":
         return _agent(args)
@@ -159,7 +159,7 @@ def _agent(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fedveil.experiments.feduv_runner import agent_clients
+    from fedveil.experiments.feduv.runner import agent_clients
     from fedveil.experiments.network_run import agent_host, parse_shard, serve_devices
 
     torch.set_num_threads(max(1, args.threads))

@@ -2,16 +2,16 @@
 
 - ``fedveil polifl run CONFIG [--out DIR] [--strategies S,...] [--rounds R] [--json] [--resume |
   --overwrite]``: the compliance strategies of Sec. 6 (cascaded, combined, single group) with per-group
-  DP and policy enforcement on devices and server (:func:`fedveil.experiments.polifl.run_polifl`);
+  DP and policy enforcement on devices and server (:func:`fedveil.experiments.polifl.runner.run_polifl`);
   prints each strategy's final metric, each group's epsilon and whether its model was released;
   ``--resume`` continues the run in its output folder.
 - ``fedveil polifl table4 [--json]``: Table 4 recomputed under two readings of its columns beside the
-  paper's figures (:func:`fedveil.experiments.polifl_table4.table4`).
+  paper's figures (:func:`fedveil.experiments.polifl.table4.table4`).
 - ``fedveil polifl scale [--devices N] [--rounds R] [--tasks text,images,mpu] [--tte-scale F]
   [--processes P] [--out DIR] [--json] [--seed S]``: Sec. 5.3 / 5.4's TTD, TTE, TTR and TTP (Fig. 4: one
   device, R rounds per task; Fig. 5: one round of N simultaneous devices with TTE replayed from the
   paper's distribution times F) over the networked runtime on loopback
-  (:func:`fedveil.experiments.polifl_scale.measure_scale`); writes ``results.json``, ``fig4.png`` and
+  (:func:`fedveil.experiments.polifl.scale.measure_scale`); writes ``results.json``, ``fig4.png`` and
   ``fig5.png`` under DIR.
 - ``fedveil polifl agent --server HOST:PORT --device NAME ... (--population KIND:SIZE | --data FILE.npz)
   (--policy TEXT | --policy-file FILE.json) --credentials DIR``: policy-enforcing devices for a service
@@ -95,7 +95,7 @@ def _fmt(eps: float) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fedveil.experiments.polifl import load_polifl_run, run_polifl
+    from fedveil.experiments.polifl.runner import load_polifl_run, run_polifl
 
     cfg = load_polifl_run(args.config, {"rounds": args.rounds} if args.rounds is not None else None)
     strategies = (
@@ -125,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _table4(args: argparse.Namespace) -> int:
-    from fedveil.experiments.polifl_table4 import table4
+    from fedveil.experiments.polifl.table4 import table4
 
     result = table4()
     if args.json:
@@ -148,7 +148,7 @@ def _ms(seconds: float) -> str:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from fedveil.experiments.polifl_scale import measure_scale, summary
+    from fedveil.experiments.polifl.scale import measure_scale, summary
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     results = measure_scale(

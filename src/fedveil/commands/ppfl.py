@@ -3,18 +3,18 @@
 - ``fedveil ppfl run CONFIG [--out DIR] [--rounds N] [--seed S] [--threads T] [--no-e2e] [--json]
   [--no-progress] [--resume | --overwrite]``
   trains PPFL (and end-to-end FedAvg over the same total rounds), writes the run directory
-  (:func:`fedveil.experiments.ppfl_runner.run_ppfl`) and prints the per-layer summary.
+  (:func:`fedveil.experiments.ppfl.runner.run_ppfl`) and prints the per-layer summary.
 - ``fedveil ppfl attacks [--model M] [--model-init I] [--classifier-pool P] [--data D] [--dra-targets N]
   [--seed S] [--out DIR] [--json]``: Table 2, each attack on what each observer sees
-  (:func:`fedveil.experiments.ppfl_attacks.ppfl_attack_table`).
+  (:func:`fedveil.experiments.ppfl.attacks.ppfl_attack_table`).
 - ``fedveil ppfl lira [--model M] [--model-init I] [--classifier-pool P] [--data D] [--clients C]
   [--shadows S] [--systems LIST] [--seed S] [--out DIR] [--json]``: Table 2's membership row by LiRA, with
-  shadows trained the way E2E FedAvg and PPFL train (:func:`fedveil.experiments.ppfl_lira.ppfl_lira_table`).
+  shadows trained the way E2E FedAvg and PPFL train (:func:`fedveil.experiments.ppfl.lira.ppfl_lira_table`).
 - ``fedveil ppfl transfer CONFIG [--fractions F ...] [--last K ...] [--out DIR] [--json]``: Appendix A.1 /
-  Fig. 8, transfer from public data (:func:`fedveil.experiments.ppfl_transfer.run_transfer_sweep`).
+  Fig. 8, transfer from public data (:func:`fedveil.experiments.ppfl.transfer.run_transfer_sweep`).
 - ``fedveil ppfl cost [--model M] [--data D] [--steps N] [--repeats R] [--plot PNG] [--json]``: Fig. 3,
   a client's CPU time and memory with and without the TEE emulation
-  (:func:`fedveil.experiments.ppfl_cost.measure_client_costs`).
+  (:func:`fedveil.experiments.ppfl.cost.measure_client_costs`).
 - ``fedveil ppfl memory [--model M] [--batch-size B] [--data D] [--json]`` prints ``S_l`` per stage
   (parameters, gradients, optimizer, activations) and the measured peak of the same training steps.
 """
@@ -188,8 +188,8 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 def _attacks(args: argparse.Namespace) -> int:
-    from fedveil.experiments.attack_runs import membership_run
-    from fedveil.experiments.ppfl_attacks import ppfl_attack_table, ppfl_like
+    from fedveil.experiments.attacks.runs import membership_run
+    from fedveil.experiments.ppfl.attacks import ppfl_attack_table, ppfl_like
 
     images = membership_run(data=args.data, model=args.model, seed=args.seed, model_init=args.model_init)
     summary = ppfl_attack_table(
@@ -215,12 +215,12 @@ def _attacks(args: argparse.Namespace) -> int:
 
 
 def _lira(args: argparse.Namespace) -> int:
-    from fedveil.experiments.attack_runs import membership_run
-    from fedveil.experiments.ppfl_lira import ppfl_lira_table
+    from fedveil.experiments.attacks.runs import membership_run
+    from fedveil.experiments.ppfl.lira import ppfl_lira_table
 
     if args.clients < 1:
         raise ConfigError(f"--clients {args.clients} must be >= 1")
-    from fedveil.experiments.ppfl_attacks import ppfl_like
+    from fedveil.experiments.ppfl.attacks import ppfl_like
 
     images = membership_run(
         data=args.data, model=args.model, clients=args.clients, seed=args.seed, model_init=args.model_init
@@ -247,7 +247,7 @@ def _lira(args: argparse.Namespace) -> int:
 
 
 def _cost(args: argparse.Namespace) -> int:
-    from fedveil.experiments.ppfl_cost import measure_client_costs, plot_client_costs
+    from fedveil.experiments.ppfl.cost import measure_client_costs, plot_client_costs
 
     channels, side = (1, 28) if args.data == "fashion-mnist" else (3, 32)
     costs = measure_client_costs(
@@ -270,8 +270,8 @@ def _cost(args: argparse.Namespace) -> int:
 
 
 def _transfer(args: argparse.Namespace) -> int:
-    from fedveil.experiments.ppfl_runner import load_ppfl_run
-    from fedveil.experiments.ppfl_transfer import run_transfer_sweep
+    from fedveil.experiments.ppfl.runner import load_ppfl_run
+    from fedveil.experiments.ppfl.transfer import run_transfer_sweep
 
     cfg = load_ppfl_run(args.config)
     out = args.out or Path("runs") / cfg.name
@@ -292,7 +292,7 @@ def _transfer(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Dispatch to the action; the work is in :mod:`fedveil.experiments.ppfl_runner`."""
+    """Dispatch to the action; the work is in :mod:`fedveil.experiments.ppfl.runner`."""
     if args.action == "memory":
         return _memory(args)
     if args.action == "attacks":
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         return _cost(args)
     from dataclasses import replace
 
-    from fedveil.experiments.ppfl_runner import load_ppfl_run, run_ppfl
+    from fedveil.experiments.ppfl.runner import load_ppfl_run, run_ppfl
 
     overrides: dict[str, Any] = {}
     if args.seed is not None:

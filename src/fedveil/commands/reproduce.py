@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from fedveil.experiments.reproduce import TABLES, reproduce
+from fedveil.experiments.fdml.reproduce import TABLES, reproduce
 
 
 def register(subparsers: Any) -> None:

@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load and check the whole config first, then train."""
-    from fedveil.experiments.runner import run_experiment
+    from fedveil.experiments.fdml.runner import run_experiment
 
     cfg = load_config(args.config, args.overrides, refuse_ignored=True)
     out = args.out or Path("runs") / cfg.name

@@ -35,8 +35,8 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the config, listen, wait for the devices, train, and write the run directory."""
+    from fedveil.experiments.fdml.runner import run_experiment
     from fedveil.experiments.network_run import NetworkPlan
-    from fedveil.experiments.runner import run_experiment
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides, refuse_ignored=True)

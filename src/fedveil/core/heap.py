@@ -8,7 +8,7 @@ round. Raising the mmap and trim thresholds keeps such buffers in the heap, wher
 already mapped. Side by side, the host's setting took FDML from 2.6 to 3.7 rounds/s (``python
 benchmarks/fdml_rounds_ablation.py``, docs/benchmarks.md). The cost is that the process keeps its peak heap:
 its resident size does not fall back after a round. So only the runs measured to gain turn it on:
-:func:`fedveil.experiments.runner.run_experiment` (FDML, FL-traditional on TouchAuth), ``fedveil bench
+:func:`fedveil.experiments.fdml.runner.run_experiment` (FDML, FL-traditional on TouchAuth), ``fedveil bench
 rounds``, and the enclave process.
 
 Only glibc has these knobs. Elsewhere this is a no-op, and nothing depends on it but speed.

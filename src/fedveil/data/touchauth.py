@@ -236,7 +236,7 @@ class TouchAuthConfig:
     ``user_spread``, ``session_noise`` and ``event_noise`` (>= 0) scale the between-user differences, the
     per-session drift and the per-event noise of the generator (``user_spread = 0`` makes all users
     alike). Calibration of the defaults (seed 0, Sec. VII-C accuracy on the 120 test users): the TouchAuth
-    net trained centrally by :func:`fedveil.experiments.central.train_central_touchauth` (2,000 steps)
+    net trained centrally by :func:`fedveil.experiments.fdml.central.train_central_touchauth` (2,000 steps)
     reaches 86.3%, the untrained net 56.6% and a template of raw mean event vectors 70.5%.
     """
 

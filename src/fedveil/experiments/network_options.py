@@ -82,12 +82,12 @@ def network_plan(args: argparse.Namespace) -> Any:
 
 
 def ray_plan(args: argparse.Namespace) -> Any:
-    """The :class:`fedveil.experiments.runner.RayPlan` the options ask for, or None."""
+    """The :class:`fedveil.experiments.fdml.runner.RayPlan` the options ask for, or None."""
     if args.runtime != "ray":
         return None
     if args.actors < 1:
         raise ConfigError(f"--actors {args.actors} must be >= 1")
-    from fedveil.experiments.runner import RayPlan
+    from fedveil.experiments.fdml.runner import RayPlan
 
     return RayPlan(address=args.address, actors=args.actors)
 

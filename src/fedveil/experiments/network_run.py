@@ -2,7 +2,7 @@
 and the device side of ``fedveil agent`` (docs/deployment.md).
 
 The server and every device build their halves from the **same experiment config**: the server its
-protocol server and enclave, a device its client code (:func:`fedveil.experiments.runner.build_clients`),
+protocol server and enclave, a device its client code (:func:`fedveil.experiments.fdml.runner.build_clients`),
 its data (the synthetic population regenerated from the config's seed, or its local touch-log CSV) and,
 for FDML through the emulated TEE, the enclave measurement it expects, computed from the config: a
 server that launches any other enclave fails attestation.
@@ -236,8 +236,8 @@ def agent_pool(
     ``I/N``, or all): for FDML through the emulated TEE, with their enclave sessions pinned to
     ``platform_public_key`` and the measurement computed from ``cfg``."""
     from fedveil.enclave.measure import measure_enclave
-    from fedveil.experiments.privacy_setup import plan_privacy
-    from fedveil.experiments.runner import (
+    from fedveil.experiments.fdml.privacy_setup import plan_privacy
+    from fedveil.experiments.fdml.runner import (
         EMBEDDING_DIM,
         build_clients,
         build_population,

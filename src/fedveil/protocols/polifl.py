@@ -28,7 +28,7 @@ the number of updates (Eq. 1, with the engine's ``server_lr`` as ``eta``). When 
 server advances the model's pair by ``runFL`` together with the stage groups' policies
 (:func:`run_fl`), so the model carries ``P_1 & P_2 & ...`` (Sec. 3.3).
 
-**Strategies** (Sec. 6) are global programs (:data:`fedveil.experiments.polifl.STRATEGY_PROGRAMS`) that
+**Strategies** (Sec. 6) are global programs (:data:`fedveil.experiments.polifl.runner.STRATEGY_PROGRAMS`) that
 call the server's functions: ``single`` (one group, its noise), ``combined`` (all groups in one stage at
 the strictest group's noise, :func:`stage_of`) and ``cascaded`` (one stage per group, most restrictive
 first, each at its own noise; each stage's model is released under its policies before the next stage

@@ -28,7 +28,7 @@ nothing to tell apart): it is excluded with a logged reason (:attr:`ProjectorCli
 mini-batch of one photo is dropped (BatchNorm in train mode cannot normalise a single example).
 
 Inference (Eq. 5): a probe's identity is the reference whose embedding is nearest in Euclidean distance
-(:func:`identify`); verification compares pairs (:mod:`fedveil.experiments.aiot`).
+(:func:`identify`); verification compares pairs (:mod:`fedveil.experiments.aiot.runner`).
 """
 
 from __future__ import annotations

@@ -534,7 +534,7 @@ def _build_pool(command: list[str]) -> Any:
         cfg = load_config(args.config, args.overrides)
         key = args.platform_key.read_bytes() if args.platform_key else None
         return agent_pool(cfg, platform_public_key=key)[0]
-    from fedveil.experiments.feduv_runner import agent_clients
+    from fedveil.experiments.feduv.runner import agent_clients
 
     return agent_clients(args.config, args.method, args.code_length)
 

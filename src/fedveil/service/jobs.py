@@ -4,7 +4,7 @@ asks for) checked against the groups' policies before anything runs, then run th
 
 **Validation** (:func:`validate`): the request's fields are bounded (:class:`JobRequest`); every group
 must exist, have devices and have a policy for the requesting application; both programs must compile
-under RestrictedPython; then the job runs *dry* (:func:`fedveil.experiments.polifl.run_strategy` with
+under RestrictedPython; then the job runs *dry* (:func:`fedveil.experiments.polifl.runner.run_strategy` with
 ``dry=True``): the global program runs in the sandbox, every ``run_fl`` runs the local program on a
 stand-in of the devices' data (its structure, no rows) under each group's policy and the ``runFL``
 checks, and charges the per-group ledger the epsilon its rounds will cost, so the budget commands and
@@ -172,7 +172,7 @@ def _run_of(
     members: dict[str, list[str]] | None,
     program_seconds: float = 10.0,
 ) -> Any:
-    from fedveil.experiments.polifl import GroupSpec, PolifLRun
+    from fedveil.experiments.polifl.runner import GroupSpec, PolifLRun
 
     h = request.hyper
     specs = tuple(
@@ -216,7 +216,7 @@ def _run_of(
 
 def population_values(population: Population) -> dict[str, dict[str, Any]]:
     """Each device's data in the population (deterministic in its seed)."""
-    from fedveil.experiments.polifl import build_task
+    from fedveil.experiments.polifl.runner import build_task
 
     request = JobRequest(
         name="population",
@@ -292,7 +292,7 @@ def validate(
     :class:`Refused` names what refuses it. ``program_seconds``: the global program's own running time
     limit; ``seconds``: the check's wall-clock budget, everything it causes counted (past it, a
     :class:`Refused` that fails the program)."""
-    from fedveil.experiments.polifl import build_task, network_task, run_strategy
+    from fedveil.experiments.polifl.runner import build_task, network_task, run_strategy
 
     started = time.monotonic()
     deadline = None if seconds is None else started + seconds
@@ -466,7 +466,7 @@ class JobRunner:
 
     def run(self, job_id: int) -> None:
         """Run (or resume) one job to its end and record the outcome."""
-        from fedveil.experiments.polifl import build_task, run_strategy
+        from fedveil.experiments.polifl.runner import build_task, run_strategy
         from fedveil.service.network import timing_summary
 
         with self.engine.connect() as conn:
@@ -563,7 +563,7 @@ class JobRunner:
     ) -> tuple[Any, dict[str, Any]]:
         """A job's task and its stages' summary over the device port, with each group's connected
         members."""
-        from fedveil.experiments.polifl import network_task, run_strategy
+        from fedveil.experiments.polifl.runner import network_task, run_strategy
 
         assert self.devices is not None
         connected = set(self.devices.connected())

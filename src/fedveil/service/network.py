@@ -13,7 +13,7 @@ local program runs in the sandbox on the device with time and memory limits, the
 only if its own policy then admits ``runFL``, and what leaves it is only what the protocol sends back: a
 :class:`~fedveil.protocols.polifl.JobReady` (accepted or the policy's reason) and the clipped model
 updates. The model is built on the device from the job's spec by an allow-listed builder
-(:func:`fedveil.experiments.polifl.task_model`), for the data kind the device holds only.
+(:func:`fedveil.experiments.polifl.runner.task_model`), for the data kind the device holds only.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ class DeviceNetwork:
         return list(self.runtime.available())
 
     def network(self) -> Any:
-        """What :func:`fedveil.experiments.polifl.run_strategy` runs stages over."""
-        from fedveil.experiments.polifl import Network
+        """What :func:`fedveil.experiments.polifl.runner.run_strategy` runs stages over."""
+        from fedveil.experiments.polifl.runner import Network
 
         return Network(self.runtime, self.loop)
 
@@ -168,7 +168,7 @@ def device_pool(
     """The devices an agent hosts (module docstring): each device's ``data`` (``x``, ``y`` and, for sensor
     data, ``sensor_columns``) and its own policy (paper syntax), enforcing it on the device; models are
     built only for ``kind`` data."""
-    from fedveil.experiments.polifl import TASKS, ModelSpec, task_model
+    from fedveil.experiments.polifl.runner import TASKS, ModelSpec, task_model
     from fedveil.protocols.local import LocalOptimizer
     from fedveil.protocols.polifl import PolicyDevices
 

@@ -1,20 +1,20 @@
 """PPFL Table 2 (Sec. 6.1): each attack on exactly what each observer sees, E2E
 FedAvg against PPFL.
 
-One member split (the membership target's recipe, :func:`fedveil.experiments.attack_runs.membership_run`:
+One member split (the membership target's recipe, :func:`fedveil.experiments.attacks.runs.membership_run`:
 clients that train long enough on few examples to leak) is trained twice: by undefended end-to-end FedAvg
 and by PPFL with the last layer kept in the TEEs. An observer taps every byte of each run
 (:class:`~fedveil.attacks.observe.WireObserver`):
 
 - **DRA and PIA** need the clients' updates. E2E FedAvg shows them in the clear, so DLG runs on a batch-1
-  upload of the E2E model (:func:`~fedveil.experiments.attack_runs.run_inversion` with ``view="fedavg"``)
-  and Melis et al.'s attack on every round's uploads (:func:`~fedveil.experiments.attack_runs.run_property`).
+  upload of the E2E model (:func:`~fedveil.experiments.attacks.runs.run_inversion` with ``view="fedavg"``)
+  and Melis et al.'s attack on every round's uploads (:func:`~fedveil.experiments.attacks.runs.run_property`).
   In PPFL every upload and broadcast of a layer in training is an AES-GCM record: the observer's views are
   :class:`~fedveil.attacks.views.SealedView`, and the same attack functions refuse them
   (:class:`~fedveil.attacks.views.NoPlaintextView`). The table says "no plaintext view" and counts the
   sealed messages, rather than inventing an MSE or AUC for an attack that cannot start.
 - **MIA** needs the released model. E2E releases it whole (Yeom, Nasr-style, with the control of
-  :func:`~fedveil.experiments.attack_runs.run_membership`). PPFL with ``keep_classifier_in_tee`` releases
+  :func:`~fedveil.experiments.attacks.runs.run_membership`). PPFL with ``keep_classifier_in_tee`` releases
   only the convolutional layers: the observer's strongest move is to train its own classifier atop them
   on auxiliary data from the same distribution (examples that are neither members nor candidates) and to
   attack that model (the "adaptive" row). PPFL without the option releases the whole model (the
@@ -45,7 +45,7 @@ from fedveil.attacks.pia_melis import melis_attack
 from fedveil.attacks.views import ModelView, NoPlaintextView
 from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
-from fedveil.experiments.attack_runs import (
+from fedveil.experiments.attacks.runs import (
     membership_run,
     run_inversion,
     run_membership,
@@ -53,7 +53,7 @@ from fedveil.experiments.attack_runs import (
     summarize_targets,
 )
 from fedveil.experiments.fedavg_images import FedAvgRun, split_images
-from fedveil.experiments.ppfl_runner import PpflRun, train_ppfl
+from fedveil.experiments.ppfl.runner import PpflRun, train_ppfl
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ParameterPlan
@@ -200,7 +200,7 @@ def ppfl_attack_table(
     MiB. The observer's head trains ``head_epochs`` on ``aux_examples`` spare training examples. DLG
     attacks ``dra_targets`` batch-1 uploads; the property attack runs on its own recipe with
     ``pia_clients`` clients for ``pia_rounds`` rounds. ``e2e=False`` leaves out the E2E rows (each is
-    :mod:`fedveil.experiments.attack_runs`' own experiment)."""
+    :mod:`fedveil.experiments.attacks.runs`' own experiment)."""
     images = images or membership_run()
     cfg = ppfl or ppfl_like(images)
     table: dict[str, Any] = {}

@@ -1,18 +1,18 @@
 """``fedveil bench peers``: the same FedAvg task in fedveil, fedveil on Ray, Flower and pfl-research.
 
-The task is :mod:`fedveil.experiments.bench_scale`'s: LeNet (2 conv + 2 FC) on 28 x 28 grayscale images
+The task is :mod:`fedveil.experiments.bench.scale`'s: LeNet (2 conv + 2 FC) on 28 x 28 grayscale images
 (real Fashion-MNIST when installed, else its labelled stand-in), ``clients`` clients of ``samples``
 images each, ``cohort`` clients a round drawn uniformly without replacement, 1 local epoch of plain SGD
 (lr 0.05, batch 10, reshuffled every epoch), FedAvg weighted by sample count; ``rounds`` timed rounds
 after one warm-up round, then the test accuracy of the global model.
 
 **One task, written once.** :func:`write_task` writes the task folder every peer reads: the clients'
-training data exactly as :func:`~fedveil.experiments.bench_scale.scale_users` partitions it (client ``i``
+training data exactly as :func:`~fedveil.experiments.bench.scale.scale_users` partitions it (client ``i``
 owns rows ``i * samples`` to ``(i + 1) * samples`` of ``train.npz``), the test set (``test.npz``), the
 initial LeNet weights (``initial.safetensors``, fedveil's parameter names) and ``manifest.json``. No
 pickle anywhere. fedveil's own rows build the same partition and weights with the same code and seed.
 
-**Who runs where.** fedveil's rows run :func:`~fedveil.experiments.bench_scale.measure_setting` in a fresh
+**Who runs where.** fedveil's rows run :func:`~fedveil.experiments.bench.scale.measure_setting` in a fresh
 process each: in-process (``fedveil``) and with the clients on ``threads`` Ray actors of one torch thread
 (``ray``). The peers run ``benchmarks/peers/<framework>_fedavg.py`` with the python of their own virtual
 environment, ``.venv-peers/<framework>`` (:func:`setup_peers`, ``fedveil bench peers --setup``), so they
@@ -42,7 +42,7 @@ import numpy as np
 
 from fedveil.core.atomic import atomic_file, atomic_write
 from fedveil.errors import ConfigError
-from fedveil.experiments.bench_scale import (
+from fedveil.experiments.bench.scale import (
     SCALE_BATCH,
     SCALE_EPOCHS,
     SCALE_LR,
@@ -98,7 +98,7 @@ def _stderr(line: str) -> None:
 
 def repo_root() -> Path:
     """The source checkout holding ``benchmarks/peers`` (the peers' scripts are not installed)."""
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]
     if not (root / "benchmarks" / "peers").is_dir():
         raise ConfigError(
             f"{root / 'benchmarks' / 'peers'} does not exist: fedveil bench peers runs from a source "

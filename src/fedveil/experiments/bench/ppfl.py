@@ -29,7 +29,7 @@ import torch
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.data.images import synthetic_cifar10, synthetic_fashion_mnist
 from fedveil.errors import ConfigError
-from fedveil.experiments.runner import device_sessions
+from fedveil.experiments.fdml.runner import device_sessions
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
 from fedveil.protocols.ppfl import PpflClients, PpflConfig, kept_on_release, param_specs

@@ -2,7 +2,7 @@
 
 FDML Table V (Sec. VIII) times Alg. 1 with the "batch all" strategy inside
 SGX for 64 to 512 participants. For each participant count this measures, on the same embeddings as
-the in-process benchmark (:func:`fedveil.experiments.bench_enclave.clustered_embeddings`: ``samples``
+the in-process benchmark (:func:`fedveil.experiments.bench.enclave.clustered_embeddings`: ``samples``
 per participant, ``dim`` wide, float32 unit vectors, labelled by participant):
 
 - ``direct_s``: :func:`fedveil.enclave.triplet.loss_and_derivatives` called in this process;
@@ -34,7 +34,7 @@ from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuote
 from fedveil.enclave.measure import DEFAULT_MEMORY_LIMIT_BYTES, EnclaveConfig, measure_enclave
 from fedveil.enclave.triplet import loss_and_derivatives
 from fedveil.errors import ConfigError
-from fedveil.experiments.bench_enclave import PAPER_TABLE_V_SECONDS, clustered_embeddings
+from fedveil.experiments.bench.enclave import PAPER_TABLE_V_SECONDS, clustered_embeddings
 from fedveil.runtime.enclave_host import EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
 

@@ -83,7 +83,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from fedveil.experiments.runner import device_sessions
+    from fedveil.experiments.fdml.runner import device_sessions
     from fedveil.models.flat import FlatModel
     from fedveil.models.zoo import build_model
     from fedveil.protocols.local import local_train

@@ -24,7 +24,7 @@ each as in training) it computes, with the devices' written-out backward
 Each as the mean cosine similarity and the mean relative distance ``|X - G| / |G|``, and, per parameter
 tensor, its share of the squared deviation ``|X - G|^2`` (``deviation_share``: where the extra noise
 lives) and of ``|G|^2`` (``signal_share``). Run it with
-``python -m fedveil.experiments.fdml_partial --config configs/table1_fdml.yaml [--checkpoint RUN_DIR]``.
+``python -m fedveil.experiments.fdml.partial --config configs/table1_fdml.yaml [--checkpoint RUN_DIR]``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from fedveil.enclave.triplet import loss_and_derivatives
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import load_checkpoint
 from fedveil.experiments.config import ExperimentConfig, load_config
-from fedveil.experiments.runner import EMBEDDING_DIM, build_population
+from fedveil.experiments.fdml.runner import EMBEDDING_DIM, build_population
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
 
@@ -156,8 +156,8 @@ def gradient_agreement(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fedveil.experiments.fdml_partial``: print the JSON report."""
-    p = argparse.ArgumentParser(prog="python -m fedveil.experiments.fdml_partial", description=__doc__)
+    """``python -m fedveil.experiments.fdml.partial``: print the JSON report."""
+    p = argparse.ArgumentParser(prog="python -m fedveil.experiments.fdml.partial", description=__doc__)
     p.add_argument("--config", type=Path, default=Path("configs/table1_fdml.yaml"), help="FDML config")
     p.add_argument("--checkpoint", type=Path, default=None, help="a run directory: its checkpoint's model")
     p.add_argument("--cohort", type=int, default=64, help="participants per round (default 64)")

@@ -1,7 +1,7 @@
 """``fedveil ppfl transfer CONFIG``: PPFL Appendix A.1 / Fig. 8, transfer from public data.
 
 For each public-data fraction ``f`` and each number ``k`` of last layer units the clients train, one
-PPFL transfer run (:func:`~fedveil.experiments.ppfl_runner.run_ppfl` with ``public_fraction: f`` and
+PPFL transfer run (:func:`~fedveil.experiments.ppfl.runner.run_ppfl` with ``public_fraction: f`` and
 ``ppfl.train_last: k``) over the config's ``ppfl.rounds_per_stage`` rounds (the paper fixes 20), in
 ``OUT/f<f>_last<k>/``; and once, end-to-end FedAvg over the same rounds on the clients' data only (the
 paper's reference line), in ``OUT/e2e.jsonl``. A finished sub-run (its ``results.json`` exists) is not
@@ -22,7 +22,7 @@ from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
 from fedveil.experiments.fedavg_images import split_images
 from fedveil.experiments.plots import plot_series
-from fedveil.experiments.ppfl_runner import PpflRun, run_ppfl, train_e2e
+from fedveil.experiments.ppfl.runner import PpflRun, run_ppfl, train_e2e
 
 __all__ = ["run_transfer_sweep"]
 

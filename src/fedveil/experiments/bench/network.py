@@ -212,7 +212,7 @@ def bench_network(
                 [
                     sys.executable,
                     "-m",
-                    "fedveil.experiments.bench_network",
+                    "fedveil.experiments.bench.network",
                     f"127.0.0.1:{port}",
                     str(devices),
                     f"{i}/{processes}",

@@ -31,7 +31,7 @@ import numpy as np
 
 from fedveil.enclave.triplet import DEFAULT_MEMORY_LIMIT_BYTES, STRATEGIES, loss_and_derivatives
 from fedveil.errors import ConfigError
-from fedveil.experiments.triplet_reference import (
+from fedveil.experiments.fdml.triplet_reference import (
     REFERENCE_MEMORY_BYTES,
     reference_fits,
     reference_loss_and_derivatives,

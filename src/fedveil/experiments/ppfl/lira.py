@@ -9,10 +9,10 @@ member split three ways:
   whole model.
 - ``ppfl-kept``: PPFL with the last layer kept in the clients' TEEs. The observer sees the released
   convolutional layers only, and attacks them with its own classifier head trained on auxiliary
-  examples, as in :func:`fedveil.experiments.ppfl_attacks.ppfl_attack_table`.
+  examples, as in :func:`fedveil.experiments.ppfl.attacks.ppfl_attack_table`.
 
 Candidates are the target's ``n`` members and ``n`` non-members from the same split
-(:func:`fedveil.experiments.attack_runs.membership_run`; 25 clients x 40 images gives 1,000 of each).
+(:func:`fedveil.experiments.attacks.runs.membership_run`; 25 clients x 40 images gives 1,000 of each).
 
 Each of the ``shadows`` shadow models trains on a random half of the candidates, so it has the target's
 number of examples. The half is split into the target's number of clients and trained by the same system
@@ -49,10 +49,10 @@ from fedveil.core.atomic import atomic_write
 from fedveil.data.images import ImageData
 from fedveil.data.partition import partition, to_federated
 from fedveil.errors import ConfigError
-from fedveil.experiments.attack_runs import membership_run
+from fedveil.experiments.attacks.runs import membership_run
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
-from fedveil.experiments.ppfl_attacks import _attacker_head, _part, _ppfl_run, auxiliary_examples, ppfl_like
-from fedveil.experiments.ppfl_runner import TrainedPpfl, train_ppfl
+from fedveil.experiments.ppfl.attacks import _attacker_head, _part, _ppfl_run, auxiliary_examples, ppfl_like
+from fedveil.experiments.ppfl.runner import TrainedPpfl, train_ppfl
 from fedveil.protocols.ppfl import PpflConfig, conv_units
 
 __all__ = ["SYSTEMS", "ppfl_lira_table"]

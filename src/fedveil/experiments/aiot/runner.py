@@ -1,11 +1,11 @@
 """``fedveil aiot run CONFIG``: AIoT Tables 1 and 2 (Sec. 5.3-5.4) in simulation.
 
 The server pre-trains MobileFaceNet with an ArcFace head on the synthetic face population's **public**
-domain (:func:`~fedveil.experiments.faces_domain.train_faces`, Adam on a cosine schedule; the paper: 150
+domain (:func:`~fedveil.experiments.aiot.faces_domain.train_faces`, Adam on a cosine schedule; the paper: 150
 epochs on MS-Celeb-1M). The **private** domain's training identities are spread over devices
 (:func:`~fedveil.data.faces.face_devices`); its held-out identities are the test set. Methods, each
 evaluated by TAR at FAR 1e-3 and 1e-4 on reference-vs-wild pairs of the held-out identities
-(:func:`~fedveil.experiments.faces_domain.verification`) and by the identification accuracy of Eq. 5
+(:func:`~fedveil.experiments.aiot.faces_domain.verification`) and by the identification accuracy of Eq. 5
 (each wild photo's nearest reference embedding, :func:`~fedveil.protocols.projector.identify`):
 
 - ``pretrained``: the pre-trained model as it is (no trials: it does not depend on them);
@@ -53,6 +53,7 @@ from fedveil.core.atomic import atomic_write
 from fedveil.core.provenance import code_identity
 from fedveil.data.faces import FaceImages, face_devices, synthetic_faces
 from fedveil.errors import ConfigError, RunInterrupted
+from fedveil.experiments.aiot.faces_domain import embed_faces, train_faces, verification
 from fedveil.experiments.checkpoint import (
     CHECKPOINT,
     Checkpoint,
@@ -65,7 +66,6 @@ from fedveil.experiments.checkpoint import (
     save_checkpoint,
 )
 from fedveil.experiments.config import build_dataclass, read_yaml_mapping, refuse_keys_without_effect
-from fedveil.experiments.faces_domain import embed_faces, train_faces, verification
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.weights import load_weights, save_weights
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs

@@ -84,9 +84,9 @@ from fedveil.experiments.checkpoint import (
     save_checkpoint,
 )
 from fedveil.experiments.config import refuse_keys_without_effect
+from fedveil.experiments.fdml.runner import device_sessions
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.plots import plot_series
-from fedveil.experiments.runner import device_sessions
 from fedveil.models.flat import FlatModel
 from fedveil.models.vision import LayerwiseNet
 from fedveil.models.weights import load_weights

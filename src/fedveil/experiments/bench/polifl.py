@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedveil.data.federated import FederatedDataset, UserData
-from fedveil.experiments.polifl import build_task, load_polifl_run
+from fedveil.experiments.polifl.runner import build_task, load_polifl_run
 from fedveil.privacy.pairs import DataPolicyPair
 from fedveil.privacy.policy import parse
 from fedveil.protocols.fedavg import ModelClients

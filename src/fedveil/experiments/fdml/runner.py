@@ -49,8 +49,8 @@ from fedveil.experiments.checkpoint import (
     save_checkpoint,
 )
 from fedveil.experiments.config import ExperimentConfig, config_to_dict
+from fedveil.experiments.fdml.privacy_setup import plan_privacy
 from fedveil.experiments.plots import plot_round_timing, plot_series, summarise_timings
-from fedveil.experiments.privacy_setup import plan_privacy
 from fedveil.models.faces import ResNet34Embedding
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet

@@ -37,7 +37,7 @@ import torch
 from fedveil.core.heap import retain_freed_memory
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import load_config
-from fedveil.experiments.runner import EMBEDDING_DIM, build_population, build_trainer
+from fedveil.experiments.fdml.runner import EMBEDDING_DIM, build_population, build_trainer
 
 
 def bench_rounds(

@@ -14,7 +14,7 @@ receipt) and TTP, time to process (the server's decoding and validation of the r
 certificate per device) on loopback; the devices run in ``processes`` agent processes, each device on its
 own TLS stream and its own :class:`~fedveil.runtime.network.agent.AgentHost` (so each device answers on
 its own, as a separate phone would); the PKI, the agent processes and the percentiles are
-:mod:`fedveil.experiments.bench_network`'s. The rounds are real PoliFL rounds
+:mod:`fedveil.experiments.bench.network`'s. The rounds are real PoliFL rounds
 (:func:`fedveil.protocols.polifl.run_stage`): the job starts on the devices (:class:`JobStart`: the device
 runs ``get_data(...)`` through the trusted library on its data pair and accepts only if its policy then
 admits ``runFL``), then FedAvg engine rounds of :class:`~fedveil.protocols.fedavg.ModelServer`
@@ -69,8 +69,8 @@ import numpy as np
 from fedveil.core.communicator import ClientId, CommStats, DeviceTiming, Message, Validator
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.errors import ConfigError, ValidationError
-from fedveil.experiments.bench_network import agent_processes, percentiles, throwaway_pki, wait_connected
-from fedveil.experiments.polifl import GroupSpec, PolifLRun, Task, build_task
+from fedveil.experiments.bench.network import agent_processes, percentiles, throwaway_pki, wait_connected
+from fedveil.experiments.polifl.runner import GroupSpec, PolifLRun, Task, build_task
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.pairs import DataPolicyPair
 from fedveil.privacy.policy import parse
@@ -124,7 +124,7 @@ CAVEATS = (
 
 
 def task_run(task: str, clients: int, seed: int) -> PolifLRun:
-    """The :class:`~fedveil.experiments.polifl.PolifLRun` of a task as this measurement builds it: one
+    """The :class:`~fedveil.experiments.polifl.runner.PolifLRun` of a task as this measurement builds it: one
     group of every user with the policy ``get_data(data_type=...).runFL.return`` (Sec. 5's Alg. 1 in
     Table 3's syntax), no DP, and the model and local training of ``configs/polifl``."""
     if task not in TASKS:
@@ -575,7 +575,7 @@ def measure_scale(
             spec_path = root / "spec.json"
             spec_path.write_text(json.dumps(spec))
             commands = [
-                [sys.executable, "-m", "fedveil.experiments.polifl_scale", str(spec_path), f"{i}/{processes}"]
+                [sys.executable, "-m", "fedveil.experiments.polifl.scale", str(spec_path), f"{i}/{processes}"]
                 for i in range(processes)
             ]
             async with agent_processes(runtime, commands, log_dir=root):

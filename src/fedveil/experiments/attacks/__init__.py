@@ -1,0 +1,1 @@
+"""The attack suite's runs on what an observer sees (`fedveil attack`)."""

@@ -1,0 +1,1 @@
+"""`fedveil bench ...`: the speed and memory benchmarks recorded in docs/benchmarks.md."""

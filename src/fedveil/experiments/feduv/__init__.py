@@ -1,0 +1,1 @@
+"""FedUV: Table 3's runner (`fedveil feduv run`)."""

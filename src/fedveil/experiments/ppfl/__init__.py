@@ -1,0 +1,1 @@
+"""PPFL: the layer-wise runner (`fedveil ppfl run`), its attack table, LiRA, transfer and cost studies."""
