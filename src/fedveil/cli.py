@@ -16,7 +16,8 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from fedveil import __version__, commands
+from fedveil import commands
+from fedveil._version import __version__
 from fedveil.errors import FedveilError, RunInterrupted
 
 #: What to do about a file system error, by errno (a full or read-only disk ends a run with one line).

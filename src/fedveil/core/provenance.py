@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import fedveil
+from fedveil import _version
 
 __all__ = ["code_identity"]
 
@@ -24,11 +24,11 @@ def code_identity() -> dict[str, Any]:
     """``{"version", "source", "git_commit", "git_dirty"}`` of the imported ``fedveil`` package; the two
     git fields are ``None`` where the source is not in a git checkout or git is not installed. Computed
     once per process."""
-    source = Path(fedveil.__file__).resolve().parent
+    source = Path(_version.__file__).resolve().parent
     commit = _git(source, "rev-parse", "HEAD")
     dirty = _git(source, "status", "--porcelain", "--", ".")
     return {
-        "version": fedveil.__version__,
+        "version": _version.__version__,
         "source": str(source),
         "git_commit": commit or None,
         "git_dirty": None if commit is None or dirty is None else bool(dirty),

@@ -58,7 +58,7 @@ from pydantic import BaseModel, BeforeValidator
 from sqlalchemy.engine import Engine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fedveil import __version__
+from fedveil._version import __version__
 from fedveil.errors import ConfigError, FedveilError
 from fedveil.privacy.policy import budget_of, parse, show
 from fedveil.service import auth, db

@@ -268,7 +268,7 @@ def _fedveil_row(
         seed=seed,
         threads=threads,
     )
-    from fedveil import __version__
+    from fedveil._version import __version__
 
     engine = "fedveil simulation, clients in-process"
     if actors:
