@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fedveil.experiments.network_run import build_agent, parse_shard, serve_devices
+    from fedveil.experiments.fdml.agent import build_agent
+    from fedveil.experiments.network_run import parse_shard, serve_devices
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, args.threads))

@@ -1,5 +1,6 @@
 """Experiments over the network: the server side of ``fedveil server`` / ``fedveil run --runtime network``
-and the device side of ``fedveil agent`` (docs/deployment.md).
+and what a device agent needs (its host, its devices' choice): docs/deployment.md. An FDML or
+FL-traditional device agent is built by :mod:`fedveil.experiments.fdml.agent`.
 
 The server and every device build their halves from the **same experiment config**: the server its
 protocol server and enclave, a device its client code (:func:`fedveil.experiments.fdml.runner.build_clients`),
@@ -25,9 +26,8 @@ from typing import Any
 
 from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
-from fedveil.experiments.config import ExperimentConfig
 from fedveil.runtime.network import certs
-from fedveil.runtime.network.agent import AgentHost, RoundSeededPool
+from fedveil.runtime.network.agent import AgentHost
 from fedveil.runtime.network.server import NetworkRuntime
 from fedveil.runtime.quoting import SimulatedPlatform
 
@@ -189,75 +189,6 @@ def parse_shard(text: str) -> tuple[int, int]:
     if not sep or not left.isdigit() or not right.isdigit() or not 0 <= int(left) < int(right):
         raise ConfigError(f"shard {text!r} is not I/N with 0 <= I < N (e.g. 0/8)")
     return int(left), int(right)
-
-
-def build_agent(
-    cfg: ExperimentConfig,
-    server: str,
-    *,
-    devices: list[str] | None = None,
-    shard: tuple[int, int] | None = None,
-    credentials: str | Path | None = None,
-    insecure: bool = False,
-    platform_public_key: bytes | None = None,
-    give_up_after: float | None = None,
-    population: Any = None,
-    server_name: str | None = None,
-) -> AgentHost:
-    """A device agent for ``cfg``: its devices (``devices``, or shard ``I/N`` of the population, or all),
-    their client code and data (:func:`agent_pool`), each round's randomness drawn from that round's
-    seed (:class:`~fedveil.runtime.network.agent.RoundSeededPool`: a resumed server or a restarted agent
-    gets the draws an uninterrupted run gets) and their credentials (``credentials/<device>/
-    device.crt`` ...)."""
-    pool, mine = agent_pool(
-        cfg, devices=devices, shard=shard, platform_public_key=platform_public_key, population=population
-    )
-    return agent_host(
-        server,
-        RoundSeededPool(pool, cfg.seed),
-        devices=mine,
-        credentials=credentials,
-        insecure=insecure,
-        give_up_after=give_up_after,
-        server_name=server_name,
-        max_message_bytes=cfg.runtime.max_message_bytes,
-    )
-
-
-def agent_pool(
-    cfg: ExperimentConfig,
-    *,
-    devices: list[str] | None = None,
-    shard: tuple[int, int] | None = None,
-    platform_public_key: bytes | None = None,
-    population: Any = None,
-) -> tuple[Any, list[str]]:
-    """The client pool a device agent of ``cfg`` hosts, and the devices it runs (``devices``, shard
-    ``I/N``, or all): for FDML through the emulated TEE, with their enclave sessions pinned to
-    ``platform_public_key`` and the measurement computed from ``cfg``."""
-    from fedveil.enclave.measure import measure_enclave
-    from fedveil.experiments.fdml.privacy_setup import plan_privacy
-    from fedveil.experiments.fdml.runner import (
-        EMBEDDING_DIM,
-        build_clients,
-        build_population,
-        device_sessions,
-        enclave_config,
-        uses_enclave,
-    )
-
-    population = population if population is not None else build_population(cfg)
-    mine = choose_devices(list(population.train_user_ids()), devices, shard)
-    sessions = None
-    if uses_enclave(cfg):
-        if platform_public_key is None:
-            raise ConfigError(
-                "FDML through the emulated TEE: give the platform's public key (--platform-key FILE)"
-            )
-        privacy = plan_privacy(cfg, population, EMBEDDING_DIM)
-        measurement = measure_enclave(enclave_config(cfg, privacy.release if privacy else None, dp_seed=None))
-        sessions = device_sessions(mine, platform_public_key, measurement.digest)
-    return build_clients(cfg, population, sessions=sessions), mine
 
 
 def choose_devices(ids: list[str], devices: list[str] | None, shard: tuple[int, int] | None) -> list[str]:

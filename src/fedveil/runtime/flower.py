@@ -529,7 +529,7 @@ def _build_pool(command: list[str]) -> Any:
     torch.set_num_threads(max(1, args.threads))
     if command[0] == "agent":
         from fedveil.experiments.config import load_config
-        from fedveil.experiments.network_run import agent_pool
+        from fedveil.experiments.fdml.agent import agent_pool
 
         cfg = load_config(args.config, args.overrides)
         key = args.platform_key.read_bytes() if args.platform_key else None
