@@ -437,7 +437,7 @@ def test_bad_settings_fail_naming_the_value(data) -> None:
     with pytest.raises(ConfigError, match="6 users but the net has c=5"):
         asyncio.run(softmax.setup(runtime))
     with pytest.raises(ConfigError, match="setup"):
-        softmax.select()
+        softmax.select([])
 
 
 def test_a_user_refuses_messages_of_another_method(data) -> None:

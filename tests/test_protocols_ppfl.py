@@ -452,7 +452,7 @@ def test_engine_without_host_weights_refuses_host_side_options() -> None:
         FedAvgEngine(
             None,
             np.random.default_rng(0),
-            select=lambda r, g: [],
+            select=lambda r, g, connected: [],
             configure=lambda r, c, w: {},
             reply_type=LayerFitReply,
             server_lr=0.5,

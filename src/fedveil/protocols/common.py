@@ -86,14 +86,21 @@ def select_group_cohort(
     return name, [members[i] for i in sorted(picked)]
 
 
+def connected_members(members: Sequence[ClientId], available: Iterable[ClientId]) -> list[ClientId]:
+    """The ``members`` that are ``available`` (connected now: ``Communicator.available()``), in member
+    order. A simulation's clients are always available, so there selection is what it was over
+    ``members``."""
+    now = set(available)
+    return [c for c in members if c in now]
+
+
 def connected_groups(
     groups: Mapping[str, Sequence[ClientId]], available: Iterable[ClientId]
 ) -> dict[str, list[ClientId]]:
-    """The members of ``groups`` that are ``available`` (connected now: ``Communicator.available()``),
-    in group order; groups with none left are dropped. A simulation's clients are always available,
-    so there selection is what it was over ``groups``."""
+    """The members of ``groups`` that are ``available`` (:func:`connected_members` of each group); groups
+    with none left are dropped."""
     now = set(available)
-    kept = {name: [c for c in members if c in now] for name, members in groups.items()}
+    kept = {name: connected_members(members, now) for name, members in groups.items()}
     return {name: members for name, members in kept.items() if members}
 
 

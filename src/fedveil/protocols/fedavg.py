@@ -7,8 +7,9 @@ and apply. On the client side :mod:`fedveil.protocols.local` holds the one local
 (SGD with momentum, Adam; one client or a ``vmap``-batched cohort). The twists of the systems are hooks,
 plain functions in the style of Flower's strategies (wrap them, do not fork the loop):
 
-- ``select(rnd, rng) -> cohort``: uniform without replacement (:func:`select_uniform`; FedUV Alg. 1), or by
-  group (FDML's phone model; FL-traditional);
+- ``select(rnd, rng, connected) -> cohort``: among the devices connected now (``connected``:
+  ``Communicator.available()``; a device that is down is never selected), uniform without replacement
+  (:func:`select_connected`; FedUV Alg. 1), or by group (FDML's phone model; FL-traditional);
 - ``configure(rnd, cohort, weights) -> {client: request}``: what each client receives (FedAwS sends each
   user only its own class embedding);
 - ``aggregate(rnd, results, current) -> new``: the server's combination of the uploads, sample-weighted
@@ -57,6 +58,7 @@ from fedveil.protocols.common import (
     as_tensor,
     client_rng,
     connected_groups,
+    connected_members,
     expect,
     fill_traffic,
 )
@@ -87,6 +89,7 @@ __all__ = [
     "ParameterPlan",
     "evaluate_model",
     "fedavg_aggregate",
+    "select_connected",
     "select_uniform",
 ]
 
@@ -105,7 +108,7 @@ class FitResult:
     record: bytes | None = None
 
 
-Select = Callable[[int, np.random.Generator], list[ClientId]]
+Select = Callable[[int, np.random.Generator, Sequence[ClientId]], list[ClientId]]
 Configure = Callable[[int, Sequence[ClientId], np.ndarray], dict[ClientId, object]]
 Aggregate = Callable[[int, Mapping[ClientId, FitResult], Any], Any]
 ReplyCheck = Callable[[ClientId, Any], None]
@@ -128,6 +131,17 @@ def select_uniform(members: Sequence[ClientId], size: int, rng: np.random.Genera
     take = min(size, len(members))
     picked = rng.choice(len(members), size=take, replace=False)
     return [members[i] for i in sorted(picked)]
+
+
+def select_connected(
+    members: Sequence[ClientId], connected: Sequence[ClientId], size: int, rng: np.random.Generator
+) -> list[ClientId]:
+    """:func:`select_uniform` among the ``members`` connected now (``connected``:
+    ``Communicator.available()``); none of them connected: an empty cohort, a round not applied."""
+    now = connected_members(members, connected)
+    if members and not now:
+        return []
+    return select_uniform(now, size, rng)
 
 
 # --- the engine ---------------------------------------------------------------------------------------
@@ -222,7 +236,7 @@ class FedAvgEngine:
     async def run_round(self, rnd: int, comm: Communicator) -> RoundReport:
         """Select, request local training, validate, aggregate, apply (with ``server_lr``)."""
         before = comm.stats().copy()
-        cohort = self.select(rnd, self.rng)
+        cohort = self.select(rnd, self.rng, comm.available())
         msgs = self.configure(rnd, cohort, self.current)
         sent = None if self.current is None else self._uploaded()
         shape = None if sent is None else sent.shape
@@ -464,7 +478,7 @@ class ModelServer:
         self.engine = FedAvgEngine(
             full[self.plan.shared_index],
             rng,
-            select=lambda rnd, r: select_uniform(self.members, cfg.clients_per_round, r),
+            select=lambda rnd, r, now: select_connected(self.members, now, cfg.clients_per_round, r),
             configure=self._configure,
             reply_type=FitReply,
             aggregate=aggregate,
@@ -684,7 +698,6 @@ class FedAvgServer:
     def __init__(self, cfg: FedAvgConfig, initial_weights: np.ndarray, rng: np.random.Generator) -> None:
         self.cfg = cfg
         self.groups: dict[str, list[ClientId]] = {}
-        self._connected: Sequence[ClientId] = ()
 
         def check(cid: ClientId, msg: TrainReply) -> None:
             expect(
@@ -695,7 +708,7 @@ class FedAvgServer:
         self.engine = FedAvgEngine(
             initial_weights,
             rng,
-            select=lambda rnd, r: self._select(r),
+            select=lambda rnd, r, connected: self._select(r, connected),
             configure=self._configure,
             reply_type=TrainReply,
             timeout=cfg.timeout,
@@ -704,10 +717,10 @@ class FedAvgServer:
             max_upload_norm=cfg.max_upload_norm,
         )
 
-    def _select(self, rng: np.random.Generator) -> list[ClientId]:
-        """FDML's selection among the registered devices connected now (none: an empty cohort, a round
-        not applied)."""
-        groups = connected_groups(self.groups, self._connected)
+    def _select(self, rng: np.random.Generator, connected: Sequence[ClientId]) -> list[ClientId]:
+        """FDML's selection among the registered devices ``connected`` now (none: an empty cohort, a
+        round not applied)."""
+        groups = connected_groups(self.groups, connected)
         if self.groups and not groups:
             return []
         return select_cohort(groups, self.cfg.clients_per_round, rng)[1]
@@ -745,7 +758,6 @@ class FedAvgServer:
 
     async def run_round(self, rnd: int, comm: Communicator) -> RoundReport:
         """Select among the connected devices, train locally, average."""
-        self._connected = comm.available()
         return await self.engine.run_round(rnd, comm)
 
 

@@ -72,7 +72,7 @@ from fedveil.privacy.codewords import (
     validate_base_vectors,
 )
 from fedveil.protocols.common import RoundReport, client_rng, expect, fill_traffic
-from fedveil.protocols.fedavg import FedAvgEngine, FitResult, fedavg_aggregate, select_uniform
+from fedveil.protocols.fedavg import FedAvgEngine, FitResult, fedavg_aggregate, select_connected
 from fedveil.protocols.feduv_messages import (
     BaseVector,
     ClassAssignment,
@@ -679,7 +679,7 @@ class UvServer(ABC):
         self.engine = FedAvgEngine(
             weights,
             rng,
-            select=lambda rnd, r: self.select(),
+            select=lambda rnd, r, connected: self.select(connected),
             configure=self._configure,
             reply_type=UvTrainReply,
             aggregate=lambda rnd, results, current: self.aggregate(results, cfg.lr_at(rnd)),
@@ -704,11 +704,13 @@ class UvServer(ABC):
         """What user ``cid`` receives of the model (default: everything, the same object for all)."""
         return shared
 
-    def select(self) -> list[ClientId]:
-        """Alg. 1: ``kappa`` members uniformly without replacement."""
+    def select(self, connected: Sequence[ClientId]) -> list[ClientId]:
+        """Alg. 1: ``kappa`` (of all ``K`` members) of the members ``connected`` now (a device that is down
+        is never selected; fewer when fewer are connected, none: a round not applied), uniformly without
+        replacement."""
         if not self.members:
             raise ConfigError("no members: run setup() before training")
-        return select_uniform(self.members, self.cfg.cohort_size(len(self.members)), self.rng)
+        return select_connected(self.members, connected, self.cfg.cohort_size(len(self.members)), self.rng)
 
     async def run_round(self, rnd: int, comm: Communicator) -> RoundReport:
         """One Alg. 1 round on the FedAvg engine: select, UserUpdate on each selected user, aggregate."""

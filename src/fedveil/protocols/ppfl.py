@@ -65,7 +65,7 @@ from fedveil.models.measure import LiveBytes
 from fedveil.models.vision import LayerwiseNet
 from fedveil.models.zoo import INITS, darknet_bound
 from fedveil.protocols.common import RoundReport, client_rng, expect
-from fedveil.protocols.fedavg import BATCH_BELOW_PARAMS, FedAvgEngine, FitResult, select_uniform
+from fedveil.protocols.fedavg import BATCH_BELOW_PARAMS, FedAvgEngine, FitResult, select_connected
 from fedveil.protocols.local import LocalOptimizer, local_train, local_train_cohort
 from fedveil.protocols.messages import Register, RegistrationCall, SessionOffer, SessionReady
 from fedveil.protocols.ppfl_messages import (
@@ -1182,7 +1182,7 @@ class PpflServer:
         engine = FedAvgEngine(
             None,
             self.rng,
-            select=lambda rnd, r: select_uniform(eligible, size, r),
+            select=lambda rnd, r, connected: select_connected(eligible, connected, size, r),
             configure=configure,
             reply_type=LayerFitReply,
             aggregate=aggregate,
