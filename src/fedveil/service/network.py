@@ -35,7 +35,7 @@ from fedveil.errors import ConfigError
 from fedveil.privacy.pairs import DataPolicyPair
 from fedveil.privacy.policy import parse
 
-__all__ = ["DeviceNetwork", "device_pool", "population_data", "timing_summary"]
+__all__ = ["DeviceNetwork", "device_pool", "population_data"]
 
 log = logging.getLogger(__name__)
 
@@ -132,28 +132,6 @@ class DeviceNetwork:
 
 async def _task(coro: Any) -> asyncio.Task[None]:
     return asyncio.ensure_future(coro)
-
-
-def timing_summary(timings: Sequence[DeviceTiming]) -> dict[str, dict[str, float]]:
-    """Per phase, the 50th/90th percentile and maximum of TTD, TTE, TTR and TTP in milliseconds, and the
-    number of replies (PoliFL Sec. 5's measures)."""
-    out: dict[str, dict[str, float]] = {}
-    for phase in sorted({t.phase for t in timings}):
-        rows = [t for t in timings if t.phase == phase]
-        entry: dict[str, float] = {"replies": float(len(rows))}
-        for name in ("ttd", "tte", "ttr", "ttp"):
-            values = np.array([getattr(t, name) for t in rows if getattr(t, name) is not None], dtype=float)
-            if values.size:
-                ms = values * 1000.0
-                entry.update(
-                    {
-                        f"{name}_p50_ms": float(np.percentile(ms, 50)),
-                        f"{name}_p90_ms": float(np.percentile(ms, 90)),
-                        f"{name}_max_ms": float(ms.max()),
-                    }
-                )
-        out[phase] = entry
-    return out
 
 
 def device_pool(
