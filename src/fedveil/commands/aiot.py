@@ -1,6 +1,7 @@
 """``fedveil aiot``: the AIoT private-projector framework.
 
-- ``fedveil aiot run CONFIG [--out DIR] [--trials N] [--methods M,...] [--json] [--resume | --overwrite]``:
+- ``fedveil aiot run CONFIG [--out DIR] [--set KEY=VALUE ...] [--seed S] [--trials N] [--methods M,...]
+  [--json] [--no-progress] [--resume | --overwrite]``:
   Tables 1 and 2 (the pre-trained model, SOLO, centralized, the protocol and its ablations, TAR at FAR
   1e-3 / 1e-4 over trials; :func:`fedveil.experiments.aiot.runner.run_aiot`); ``--resume`` continues (or
   extends, with more trials or methods) the run in its output folder.
@@ -20,7 +21,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedveil.experiments.checkpoint import add_run_dir_arguments
+from fedveil.experiments.checkpoint import add_run_arguments, run_sets
+from fedveil.experiments.config import run_overrides
+from fedveil.experiments.report import announce_stand_in
 
 
 def register(subparsers: Any) -> None:
@@ -29,8 +32,7 @@ def register(subparsers: Any) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = actions.add_parser("run", help="Tables 1-2: fine-tune with private projectors, TAR@FAR over trials")
     r.add_argument("config", type=Path, help="YAML settings, e.g. configs/aiot/small.yaml")
-    r.add_argument("--out", type=Path, help="output folder (default runs/<name>)")
-    add_run_dir_arguments(r)
+    add_run_arguments(r)
     r.add_argument("--trials", type=int, help="trials per method (default: the config's)")
     r.add_argument("--methods", help="comma-separated methods (default: the config's)")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
@@ -87,14 +89,22 @@ def _faces(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from fedveil.experiments.aiot.runner import load_aiot_run, run_aiot
 
-    overrides: dict[str, Any] = {}
-    if args.trials is not None:
-        overrides["trials"] = args.trials
-    if args.methods:
-        overrides["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    overrides = run_overrides(run_sets(args), {"trials": args.trials, "methods": methods})
     cfg = load_aiot_run(args.config, overrides)
     out = args.out or Path("runs") / cfg.name
-    record = run_aiot(cfg, out, progress=not args.json, resume=args.resume, overwrite=args.overwrite)
+    announce_stand_in(
+        f"{cfg.public_identities} public and {cfg.private_identities + cfg.test_identities} private "
+        "identities of the synthetic face population (fedveil.data.faces), for MS-Celeb-1M and the "
+        "paper's private faces"
+    )
+    record = run_aiot(
+        cfg,
+        out,
+        progress=not (args.json or args.no_progress),
+        resume=args.resume,
+        overwrite=args.overwrite,
+    )
     if args.json:
         print(json.dumps(record, indent=2, sort_keys=True))
         return 0

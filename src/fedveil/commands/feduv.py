@@ -1,9 +1,9 @@
 """``fedveil feduv {run,bench}``: FedUV, FedAwS and softmax on MNIST-UV (Table 3), and client speed.
 
-- ``fedveil feduv run [--scale small|paper] [--config YAML] [--methods feduv,fedaws,softmax]
-  [--code-lengths 127,255,511] [--out DIR] [--rounds N] [--writers N] [--unseen-writers N]
-  [--train-examples N] [--fraction F] [--width-divisor W] [--narrow-head] [--seed S] [--threads T]
-  [--workers N] [--json] [--no-progress] [--resume | --overwrite]``
+- ``fedveil feduv run [--scale small|paper] [--config YAML] [--set KEY=VALUE ...] [--methods
+  feduv,fedaws,softmax] [--code-lengths 127,255,511] [--out DIR] [--rounds N] [--writers N]
+  [--unseen-writers N] [--train-examples N] [--fraction F] [--width-divisor W] [--narrow-head] [--seed S]
+  [--threads T] [--workers N] [--json] [--no-progress] [--resume | --overwrite]``
   trains every method (with ``--resume``, only those a run directory does not hold yet), writes the run
   directory (:func:`fedveil.experiments.feduv.runner.run_feduv`) and prints the AUC table.
 - ``fedveil feduv bench [--clients N] [--width-divisor W] [--threads T] [--one-by-one] [--json]``
@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedveil.experiments.checkpoint import add_run_dir_arguments
+from fedveil.experiments.checkpoint import add_run_arguments, run_sets
+from fedveil.experiments.config import run_overrides
 from fedveil.experiments.network_options import add_network_arguments, with_runtime
+from fedveil.experiments.report import announce_stand_in
 
 
 def register(subparsers: Any) -> None:
@@ -33,7 +35,6 @@ def register(subparsers: Any) -> None:
     r.add_argument("--config", type=Path, default=None, help="YAML of run settings laid over the preset")
     r.add_argument("--methods", default=None, help="comma-separated subset of feduv,fedaws,softmax")
     r.add_argument("--code-lengths", default=None, help="FedUV code lengths (default: 127,255,511)")
-    r.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<name>)")
     r.add_argument("--rounds", type=int, default=None, help="training rounds")
     r.add_argument("--writers", type=int, default=None, help="seen writers (users)")
     r.add_argument("--unseen-writers", type=int, default=None, help="writers never seen in training")
@@ -43,12 +44,10 @@ def register(subparsers: Any) -> None:
     r.add_argument(
         "--narrow-head", action="store_true", default=None, help="divide the last block's 1024 channels too"
     )
-    r.add_argument("--seed", type=int, default=None, help="seed of data, model and protocol")
     r.add_argument("--threads", type=int, default=None, help="torch threads per process (default: 1)")
     r.add_argument("--workers", type=int, default=None, help="processes training methods side by side")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_run_dir_arguments(r)
+    add_run_arguments(r)
     add_network_arguments(r, default_agents=4, clients="users", ray=False)
     a = actions.add_parser("agent", help="run users of a FedUV run as a device agent (docs/deployment.md)")
     a.add_argument("--server", required=True, help="the server's HOST:PORT")
@@ -113,9 +112,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{doc['repeats']}, {doc['num_params']:,} parameters, {doc['threads']} threads)"
             )
         return 0
-    base = fr.SCALES[args.scale]
-    if args.config is not None:
-        base = fr.load_feduv_config(args.config, base)
+    base = fr.load_feduv_config(args.config, fr.SCALES[args.scale], run_overrides(run_sets(args)))
     cfg = fr.with_overrides(
         base,
         methods=None if args.methods is None else fr.parse_methods(args.methods),
@@ -129,11 +126,11 @@ def run(args: argparse.Namespace) -> int:
         fraction=args.fraction,
         width_divisor=args.width_divisor,
         narrow_head=args.narrow_head,
-        seed=args.seed,
         threads=args.threads,
         workers=args.workers,
     )
     out = args.out or Path("runs") / cfg.name
+    announce_stand_in("MNIST-UV drawn from synthetic handwriting (fedveil.data.mnist_uv), for FedUV's EMNIST")
     results = with_runtime(
         args,
         lambda network: fr.run_feduv(

@@ -1,8 +1,9 @@
 """``fedveil polifl``: PoliFL's policy-compliant federated learning.
 
-- ``fedveil polifl run CONFIG [--out DIR] [--strategies S,...] [--rounds R] [--json] [--resume |
-  --overwrite]``: the compliance strategies of Sec. 6 (cascaded, combined, single group) with per-group
-  DP and policy enforcement on devices and server (:func:`fedveil.experiments.polifl.runner.run_polifl`);
+- ``fedveil polifl run CONFIG [--out DIR] [--set KEY=VALUE ...] [--seed S] [--strategies S,...]
+  [--rounds R] [--json] [--no-progress] [--resume | --overwrite]``: the compliance strategies of Sec. 6
+  (cascaded, combined, single group) with per-group DP and policy enforcement on devices and server
+  (:func:`fedveil.experiments.polifl.runner.run_polifl`);
   prints each strategy's final metric, each group's epsilon and whether its model was released;
   ``--resume`` continues the run in its output folder.
 - ``fedveil polifl table4 [--json]``: Table 4 recomputed under two readings of its columns beside the
@@ -25,7 +26,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedveil.experiments.checkpoint import add_run_dir_arguments
+from fedveil.experiments.checkpoint import add_run_arguments, run_sets
+from fedveil.experiments.config import run_overrides
 
 
 def register(subparsers: Any) -> None:
@@ -34,8 +36,7 @@ def register(subparsers: Any) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = actions.add_parser("run", help="cascaded / combined / single-group training with per-group epsilon")
     r.add_argument("config", type=Path, help="YAML settings, e.g. configs/polifl/small.yaml")
-    r.add_argument("--out", type=Path, help="output folder (default runs/<name>)")
-    add_run_dir_arguments(r)
+    add_run_arguments(r)
     r.add_argument("--strategies", help="comma-separated strategies (default: the config's)")
     r.add_argument("--rounds", type=int, help="rounds per group stage (default: the config's)")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
@@ -97,7 +98,7 @@ def _fmt(eps: float) -> str:
 def _run(args: argparse.Namespace) -> int:
     from fedveil.experiments.polifl.runner import load_polifl_run, run_polifl
 
-    cfg = load_polifl_run(args.config, {"rounds": args.rounds} if args.rounds is not None else None)
+    cfg = load_polifl_run(args.config, run_overrides(run_sets(args), {"rounds": args.rounds}))
     strategies = (
         tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if args.strategies else None
     )
@@ -106,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         cfg,
         out,
         strategies=strategies,
-        progress=not args.json,
+        progress=not (args.json or args.no_progress),
         resume=args.resume,
         overwrite=args.overwrite,
     )

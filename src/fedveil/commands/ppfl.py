@@ -1,7 +1,7 @@
 """``fedveil ppfl run CONFIG``: PPFL's greedy layer-wise training in emulated TEEs.
 
-- ``fedveil ppfl run CONFIG [--out DIR] [--rounds N] [--seed S] [--threads T] [--no-e2e] [--json]
-  [--no-progress] [--resume | --overwrite]``
+- ``fedveil ppfl run CONFIG [--out DIR] [--set KEY=VALUE ...] [--rounds N] [--seed S] [--threads T]
+  [--no-e2e] [--json] [--no-progress] [--resume | --overwrite]``
   trains PPFL (and end-to-end FedAvg over the same total rounds), writes the run directory
   (:func:`fedveil.experiments.ppfl.runner.run_ppfl`) and prints the per-layer summary.
 - ``fedveil ppfl attacks [--model M] [--model-init I] [--classifier-pool P] [--data D] [--dra-targets N]
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from fedveil.errors import ConfigError
-from fedveil.experiments.checkpoint import add_run_dir_arguments
+from fedveil.experiments.checkpoint import add_run_arguments, run_sets
+from fedveil.experiments.config import run_overrides
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -54,14 +55,11 @@ def register(subparsers: Any) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = actions.add_parser("run", help="train PPFL (and the E2E FedAvg baseline); write a run directory")
     r.add_argument("config", type=Path, help="YAML settings, e.g. configs/ppfl/small.yaml")
-    r.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<name>)")
     r.add_argument("--rounds", type=int, default=None, help="rounds per layer (overrides the config)")
-    r.add_argument("--seed", type=int, default=None, help="seed of data, model and protocol")
     r.add_argument("--no-e2e", action="store_true", help="skip the end-to-end FedAvg baseline")
     r.add_argument("--threads", type=int, default=None, help="torch threads (overrides the config)")
     r.add_argument("--json", action="store_true", help="print results.json (no progress output)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_run_dir_arguments(r)
+    add_run_arguments(r)
     a = actions.add_parser("attacks", help="Table 2: DLG, property and membership inference, E2E vs PPFL")
     _add_model_options(a)
     a.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
@@ -303,20 +301,14 @@ def run(args: argparse.Namespace) -> int:
         return _transfer(args)
     if args.action == "cost":
         return _cost(args)
-    from dataclasses import replace
-
     from fedveil.experiments.ppfl.runner import load_ppfl_run, run_ppfl
 
-    overrides: dict[str, Any] = {}
-    if args.seed is not None:
-        overrides["seed"] = args.seed
-    if args.no_e2e:
-        overrides["e2e"] = False
-    if args.threads is not None:
-        overrides["threads"] = args.threads
-    cfg = load_ppfl_run(args.config, overrides)
-    if args.rounds is not None:
-        cfg = replace(cfg, ppfl=replace(cfg.ppfl, rounds_per_stage=args.rounds))
+    own = {
+        "ppfl.rounds_per_stage": args.rounds,
+        "threads": args.threads,
+        "e2e": False if args.no_e2e else None,
+    }
+    cfg = load_ppfl_run(args.config, run_overrides(run_sets(args), own))
     out = args.out or Path("runs") / cfg.name
     quiet = args.json
     results = run_ppfl(

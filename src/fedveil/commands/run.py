@@ -1,4 +1,5 @@
-"""``fedveil run CONFIG.yaml [--set key=value ...] [--out DIR]``: train one experiment."""
+"""``fedveil run CONFIG.yaml [--set key=value ...] [--seed S] [--out DIR] [--no-progress] [--resume |
+--overwrite]``: train one experiment."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedveil.experiments.checkpoint import add_run_dir_arguments
+from fedveil.experiments.checkpoint import add_run_arguments, run_sets
 from fedveil.experiments.config import load_config
 from fedveil.experiments.network_options import add_network_arguments, ray_plan, with_runtime
-from fedveil.experiments.report import format_results
+from fedveil.experiments.report import announce_stand_in, format_results
 
 
 def register(subparsers: Any) -> None:
@@ -19,17 +20,7 @@ def register(subparsers: Any) -> None:
         "run", help="train an experiment from a YAML config and write its run directory"
     )
     p.add_argument("config", type=Path, help="experiment YAML (see configs/)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set fdml.lr=0.001 (repeatable)",
-    )
-    p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<name>)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    add_run_dir_arguments(p)
+    add_run_arguments(p)
     add_network_arguments(p, default_agents=8, clients="devices")
     p.set_defaults(func=run)
 
@@ -38,8 +29,10 @@ def run(args: argparse.Namespace) -> int:
     """Load and check the whole config first, then train."""
     from fedveil.experiments.fdml.runner import run_experiment
 
-    cfg = load_config(args.config, args.overrides, refuse_ignored=True)
+    cfg = load_config(args.config, run_sets(args), refuse_ignored=True)
     out = args.out or Path("runs") / cfg.name
+    if cfg.data.stand_in:
+        announce_stand_in(cfg.data.stand_in)
     results = with_runtime(
         args,
         lambda network: run_experiment(

@@ -138,6 +138,33 @@ def add_run_dir_arguments(parser: Any) -> None:
     )
 
 
+def add_run_arguments(parser: Any, *, out_default: Path | None = None) -> None:
+    """Add the options every system's ``run`` (and ``demo``) shares to ``parser``: ``--out`` (default
+    ``out_default``, else ``runs/<the config's name>``), ``--set KEY=VALUE`` (repeatable, into
+    ``overrides``), ``--seed``, ``--no-progress`` and ``--resume`` / ``--overwrite``
+    (:func:`add_run_dir_arguments`). :func:`run_sets` gives the overrides they ask for."""
+    where = f"default: {out_default}" if out_default is not None else "default: runs/<name>"
+    parser.add_argument("--out", type=Path, default=out_default, help=f"run directory ({where})")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of the config, dotted for nested ones, e.g. --set rounds=5 (repeatable; "
+        "an unknown key or a wrong value fails before training, naming it)",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="the config's seed (same as --set seed=S)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_run_dir_arguments(parser)
+
+
+def run_sets(args: Any) -> list[str]:
+    """The ``--set`` items of a command that has :func:`add_run_arguments`, with ``--seed S`` as the
+    last one (``seed=S``: it wins over a ``--set seed=...``)."""
+    return [*args.overrides, *([] if args.seed is None else [f"seed={args.seed}"])]
+
+
 def prepare_run_dir(directory: str | Path, *, resume: bool, overwrite: bool) -> Path:
     """Make ``directory`` ready for a run and return it.
 

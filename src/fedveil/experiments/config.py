@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,14 @@ class DataSection:
     train_photos: int = 70
     test_photos: int = 40
     image_size: int = 64
+
+    @property
+    def stand_in(self) -> str | None:
+        """The synthetic population that stands in for real data here (``None``: real data at ``path``)."""
+        return {
+            "touchauth-synthetic": "the synthetic TouchAuth population (FDML Sec. VII-A's users)",
+            "cameraauth-synthetic": "the synthetic face population (FDML Sec. VII-B's CameraAuth)",
+        }.get(self.kind)
 
 
 @dataclass(frozen=True)
@@ -322,13 +330,29 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set fdml.lr=0.001")
         key, text = item.split("=", 1)
-        node = tree
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: {part} is already set to a value")
-        node[parts[-1]] = yaml.safe_load(text)
+        _put(tree, key.strip(), yaml.safe_load(text), f"--set {item!r}")
+    return tree
+
+
+def _put(tree: dict[str, Any], key: str, value: Any, what: str) -> None:
+    """Set the dotted ``key`` of the nested ``tree`` to ``value`` (``what`` names the option in errors)."""
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{what}: {part} is already set to a value")
+    node[parts[-1]] = value
+
+
+def run_overrides(sets: Sequence[str], options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The nested overrides a system's run command lays over its config file: the ``--set KEY=VALUE``
+    items (:func:`parse_overrides`), then the command's own options on top, each a dotted key with its
+    value (``None``: the option was not given), e.g. ``{"ppfl.rounds_per_stage": 3, "trials": None}``."""
+    tree = parse_overrides(sets)
+    for key, value in (options or {}).items():
+        if value is not None:
+            _put(tree, key, value, key)
     return tree
 
 
@@ -362,6 +386,34 @@ def build_dataclass(cls: type, raw: Mapping[str, Any], base: Mapping[str, Any] |
     unknown keys are refused listing the allowed ones, values are type-checked, and the dataclasses'
     own checks run."""
     return _build(cls, _merge(dict(base or {}), raw))
+
+
+def load_run_config(
+    cls: type,
+    path: str | Path | None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    base: Mapping[str, Any] | None = None,
+    unused: Callable[[Any], Sequence[tuple[str, bool, str]]] | None = None,
+) -> Any:
+    """A system's run settings ``cls`` (a tree of frozen dataclasses) from the YAML file ``path`` (``None``:
+    none) laid over ``base``, with ``overrides`` (nested, e.g. :func:`run_overrides`) on top, checked as
+    :func:`build_dataclass` checks, so that a wrong key or value fails before any training, named.
+
+    ``unused(cfg)`` gives the rules (:func:`keys_without_effect`) of the keys ``cfg``'s setting ignores:
+    a key of the file that the file's own setting ignores is refused naming the file, and so is an
+    override that the final setting ignores (an override that makes a file key moot is its intent)."""
+    file_raw = {} if path is None else read_yaml_mapping(path)
+    given = dict(overrides or {})
+    cfg = build_dataclass(cls, _merge(file_raw, given), base)
+    if unused is not None:
+        try:
+            as_filed = build_dataclass(cls, file_raw, base)
+        except ConfigError:  # the file needs its overrides to be a config at all
+            as_filed = cfg
+        refuse_keys_without_effect(file_raw, unused(as_filed), f"{path}: ")
+        refuse_keys_without_effect(given, unused(cfg))
+    return cfg
 
 
 def load_config(

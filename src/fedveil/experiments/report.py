@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+STAND_IN = "SYNTHETIC STAND-IN"
+"""What every run on synthetic data says first (:func:`announce_stand_in`)."""
+
+
+def announce_stand_in(what: str, stream: TextIO | None = None) -> None:
+    """Print the banner of a run on synthetic stand-in data (``what``: which data, from where) to
+    ``stream`` (default stderr, so that ``--json`` output stays JSON), before it trains: its numbers
+    measure the code on made-up data, not the paper's claim."""
+    print(
+        f"{STAND_IN}: {what} -- not real data; the numbers are no reproduction of the paper's",
+        file=stream or sys.stderr,
+        flush=True,
+    )
 
 
 def _bytes(n: float) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ from fedveil.experiments.checkpoint import (
     prepare_run_dir,
     save_checkpoint,
 )
-from fedveil.experiments.config import build_dataclass, read_yaml_mapping, refuse_keys_without_effect
+from fedveil.experiments.config import load_run_config
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.weights import load_weights, save_weights
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
@@ -146,14 +147,17 @@ class AiotRun:
         return f"mobilefacenet (image_size {self.size}, width {self.width})"
 
 
-def load_aiot_run(path: str | Path, overrides: dict[str, Any] | None = None) -> AiotRun:
-    """An :class:`AiotRun` from a YAML file (unknown keys refused, named, and keys its own methods
-    ignore: ``solo_devices`` without ``solo``), with ``overrides`` on top."""
-    raw = read_yaml_mapping(path)
-    filed = build_dataclass(AiotRun, raw)
-    why = f"only the solo method uses it; methods are {', '.join(filed.methods)}"
-    refuse_keys_without_effect(raw, [("solo_devices", "solo" not in filed.methods, why)], f"{path}: ")
-    return build_dataclass(AiotRun, {**raw, **(overrides or {})})
+def load_aiot_run(path: str | Path, overrides: Mapping[str, Any] | None = None) -> AiotRun:
+    """An :class:`AiotRun` from a YAML file with ``overrides`` (e.g. ``--set``'s) on top: unknown keys and
+    wrong values are refused, named, and so are keys its methods ignore (``solo_devices`` without ``solo``;
+    :func:`~fedveil.experiments.config.load_run_config`)."""
+    return load_run_config(AiotRun, path, overrides, unused=_unused_settings)
+
+
+def _unused_settings(run: AiotRun) -> list[tuple[str, bool, str]]:
+    """The settings ``run``'s methods ignore (:func:`~fedveil.experiments.config.keys_without_effect`)."""
+    why = f"only the solo method uses it; methods are {', '.join(run.methods)}"
+    return [("solo_devices", "solo" not in run.methods, why)]
 
 
 def evaluate_faces(model: torch.nn.Module, faces: FaceImages, reference: np.ndarray) -> dict[str, Any]:

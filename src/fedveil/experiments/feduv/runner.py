@@ -38,7 +38,7 @@ import math
 import multiprocessing
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +65,7 @@ from fedveil.experiments.checkpoint import (
     prepare_run_dir,
     save_checkpoint,
 )
-from fedveil.experiments.config import build_dataclass, read_yaml_mapping, refuse_keys_without_effect
+from fedveil.experiments.config import load_run_config, refuse_keys_without_effect
 from fedveil.experiments.plots import plot_series
 from fedveil.models.feduv import build_uv_net
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
@@ -257,15 +257,23 @@ SCALES: dict[str, FeduvRunConfig] = {
 net the one-by-one path is faster on CPU than ``vmap``, ``docs/benchmarks.md``)."""
 
 
-def load_feduv_config(path: str | Path, base: FeduvRunConfig | None = None) -> FeduvRunConfig:
-    """A :class:`FeduvRunConfig` from the YAML file ``path`` laid over ``base`` (default: the ``small``
-    scale): top-level keys are :class:`FeduvRunConfig`'s fields, ``train`` holds
-    :class:`~fedveil.protocols.feduv.UvTrainConfig`'s. Unknown keys and wrong types fail naming them, and
-    so do keys the settings ignore (``code_lengths`` without FedUV among the ``methods``)."""
-    raw = read_yaml_mapping(path)
-    cfg = build_dataclass(FeduvRunConfig, raw, _config_dict(base or SCALES["small"]))
-    refuse_keys_without_effect(raw, _unused_settings(cfg), f"{path}: ")
-    return cfg
+def load_feduv_config(
+    path: str | Path | None,
+    base: FeduvRunConfig | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> FeduvRunConfig:
+    """A :class:`FeduvRunConfig` from the YAML file ``path`` (``None``: none) laid over ``base`` (default:
+    the ``small`` scale), with ``overrides`` (nested, e.g. ``--set``'s) on top: top-level keys are
+    :class:`FeduvRunConfig`'s fields, ``train`` holds :class:`~fedveil.protocols.feduv.UvTrainConfig`'s.
+    Unknown keys and wrong types fail naming them, and so do keys the settings ignore (``code_lengths``
+    without FedUV among the ``methods``; :func:`~fedveil.experiments.config.load_run_config`)."""
+    return load_run_config(
+        FeduvRunConfig,
+        path,
+        overrides,
+        base=_config_dict(base or SCALES["small"]),
+        unused=_unused_settings,
+    )
 
 
 def _unused_settings(cfg: FeduvRunConfig) -> list[tuple[str, bool, str]]:

@@ -32,7 +32,7 @@ import io
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,8 +46,9 @@ from fedveil.core.communicator import Communicator
 from fedveil.core.provenance import code_identity
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
-from fedveil.experiments.config import build_dataclass, read_yaml_mapping, refuse_keys_without_effect
+from fedveil.experiments.config import load_run_config
 from fedveil.experiments.plots import plot_series
+from fedveil.experiments.report import announce_stand_in
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.groups import GroupLedger, noise_multiplier
 from fedveil.privacy.pairs import DataPolicyPair, PolicyViolation
@@ -174,22 +175,25 @@ class PolifLRun:
             raise ConfigError(f"clip_norm {self.clip_norm!r} must be a number > 0")
 
 
-def load_polifl_run(path: str | Path, overrides: dict[str, Any] | None = None) -> PolifLRun:
-    """A :class:`PolifLRun` from a YAML file (unknown keys refused, named, and a global ``program`` no
-    strategy runs), with ``overrides`` on top."""
-    raw = {**read_yaml_mapping(path), **(overrides or {})}
-    run = build_dataclass(PolifLRun, raw)
+def load_polifl_run(path: str | Path, overrides: Mapping[str, Any] | None = None) -> PolifLRun:
+    """A :class:`PolifLRun` from a YAML file with ``overrides`` (e.g. ``--set``'s) on top: unknown keys and
+    wrong values are refused, named, and so is a global ``program`` no strategy runs
+    (:func:`~fedveil.experiments.config.load_run_config`)."""
+    return load_run_config(PolifLRun, path, overrides, unused=_unused_settings)
+
+
+def _unused_settings(run: PolifLRun) -> list[tuple[str, bool, str]]:
+    """The settings ``run`` ignores (:func:`~fedveil.experiments.config.keys_without_effect`)."""
     why = f"only the 'program' strategy runs it; strategies are {', '.join(run.strategies)}"
-    refuse_keys_without_effect(raw, [("program", "program" not in run.strategies, why)], f"{path}: ")
-    return run
+    return [("program", "program" not in run.strategies, why)]
 
 
 @dataclass
 class Task:
     """A use case built for a run: the model, each client's data (``values``), the groups' members,
     the loss, whether the cohort trains batched, the metric's name and the evaluation of weights (``None``
-    where the server holds no test data: networked devices), and the model's spec (what networked devices
-    build).
+    where the server holds no test data: networked devices), the model's spec (what networked devices
+    build) and ``stand_in``, which synthetic data stands in for real data (``None``: the data is real).
     ``initial`` is the model's initial vector, taken when the task is built: every strategy starts
     from it (evaluating loads other weights into the module)."""
 
@@ -202,6 +206,7 @@ class Task:
     evaluate: Callable[[np.ndarray], float] | None
     description: str = ""
     spec: ModelSpec | None = None
+    stand_in: str | None = None
     initial: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -329,6 +334,7 @@ def _images(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
         evaluate,
         f"{run.model} on {split.train.name}, {run.clients} clients x {run.samples_per_client} ({run.scheme})",
         spec,
+        f"{split.train.name}, {split.train.source}" if split.train.synthetic else None,
     )
 
 
@@ -379,6 +385,7 @@ def _mpu(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
         evaluate,
         f"SYNTHETIC MPU: {run.clients} users, 15 sensors, EngagementNet (LSTM {run.hidden} units)",
         spec,
+        f"{run.clients} users of the synthetic MPU population (fedveil.data.mpu), for the paper's phones",
     )
 
 
@@ -412,6 +419,7 @@ def _text(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
         evaluate,
         f"next word on {source}: {len(ids)} users, vocabulary {run.vocab}, 2-layer LSTM {run.hidden} units",
         spec,
+        source if "SYNTHETIC" in source else None,
     )
 
 
@@ -960,6 +968,8 @@ def run_polifl(
     out = prepare_run_dir(out, resume=resume, overwrite=overwrite)
     _claim_run_dir(out, run)
     task = build_task(run)
+    if task.stand_in:
+        announce_stand_in(task.stand_in)
     chosen = strategies or run.strategies
     results: dict[str, Any] = {
         "name": run.name,

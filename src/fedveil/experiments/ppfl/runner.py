@@ -58,13 +58,12 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from torch import nn
 from tqdm import tqdm
 
@@ -83,10 +82,11 @@ from fedveil.experiments.checkpoint import (
     prepare_run_dir,
     save_checkpoint,
 )
-from fedveil.experiments.config import refuse_keys_without_effect
+from fedveil.experiments.config import load_run_config
 from fedveil.experiments.fdml.runner import device_sessions
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.plots import plot_series
+from fedveil.experiments.report import announce_stand_in
 from fedveil.models.flat import FlatModel
 from fedveil.models.vision import LayerwiseNet
 from fedveil.models.weights import load_weights
@@ -210,37 +210,16 @@ def _model(run: PpflRun, num_classes: int, channels: int, side: int) -> Layerwis
 
 
 def load_ppfl_run(path: str | Path, overrides: Mapping[str, Any] | None = None) -> PpflRun:
-    """Parse a YAML config (unknown keys are errors, named); ``overrides`` replace top-level keys."""
-    source = Path(path)
-    try:
-        raw = yaml.safe_load(source.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read the PPFL config {source}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: a PPFL config is a mapping of settings")
-    raw.update(overrides or {})
-    given = copy.deepcopy(raw)
-    top = {f.name for f in fields(PpflRun)}
-    unknown = sorted(set(raw) - top)
-    if unknown:
-        raise ConfigError(f"{source}: unknown settings {unknown}; known: {sorted(top)}")
-    block = raw.pop("ppfl", None) or {}
-    if not isinstance(block, dict):
-        raise ConfigError(f"{source}: ppfl must be a mapping of PPFL settings")
-    known = {f.name for f in fields(PpflConfig)}
-    bad = sorted(set(block) - known)
-    if bad:
-        raise ConfigError(f"{source}: unknown ppfl settings {bad}; known: {sorted(known)}")
-    if "tee_mib" in raw:
-        value = raw["tee_mib"]
-        raw["tee_mib"] = tuple(value) if isinstance(value, list) else (value,)
-    try:
-        run = PpflRun(**raw, ppfl=PpflConfig(**block))
-    except TypeError as exc:
-        raise ConfigError(f"{source}: {exc}") from exc
+    """A :class:`PpflRun` from a YAML file with ``overrides`` (nested, e.g. ``--set``'s) on top: unknown
+    keys and wrong values are refused, named, and so is ``e2e`` where ``reach_e2e_rounds`` trains E2E
+    anyway (:func:`~fedveil.experiments.config.load_run_config`)."""
+    return load_run_config(PpflRun, path, overrides, unused=_unused_settings)
+
+
+def _unused_settings(run: PpflRun) -> list[tuple[str, bool, str]]:
+    """The settings ``run`` ignores (:func:`~fedveil.experiments.config.keys_without_effect`)."""
     why = "reach_e2e_rounds trains E2E FedAvg first, as PPFL's target"
-    refuse_keys_without_effect(given, [("e2e", run.reach_e2e_rounds is not None, why)], f"{source}: ")
-    return run
+    return [("e2e", run.reach_e2e_rounds is not None, why)]
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -276,6 +255,14 @@ def run_ppfl(
             "enclave cannot unseal it; put the file back, or start afresh with --overwrite"
         )
     if resume and ckpt is None and (out / "results.json").is_file():
+        saved = out / "config.json"
+        theirs = json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {}
+        if theirs != config:
+            differ = sorted(k for k in set(config) | set(theirs) if config.get(k) != theirs.get(k))
+            raise ConfigError(
+                f"{out} holds a finished run of another config ({', '.join(differ)}): resume with the config "
+                "it was run with, start afresh with --overwrite, or give another --out"
+            )
         say(f"{out} holds a finished run: its results.json stands")
         return dict(json.loads((out / "results.json").read_text(encoding="utf-8")))
     if ckpt is not None and ckpt.meta.get("config") != config:
@@ -285,7 +272,10 @@ def run_ppfl(
         )
     _write_json(out / "config.json", config)
     secret = _sealing_secret(out)
-    say(split.train.describe())
+    if split.train.synthetic:
+        announce_stand_in(f"{split.train.name}, {split.train.source}")
+    else:
+        say(split.train.describe())
     state: dict[str, Any] = (
         dict(ckpt.meta) if ckpt is not None else {"config": config, "stages": [], "seconds": 0.0}
     )
