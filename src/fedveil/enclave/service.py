@@ -24,7 +24,13 @@ gradients into it, and receive their derivatives directly from it. Every request
     left out. The rest are stacked in request order and labelled by
     client (FDML: every participant is one user), Alg. 1 runs through
     :func:`fedveil.enclave.triplet.loss_and_derivatives`, and each client's float32 derivatives are
-    sealed to that client alone. The reply releases the loss and the number of active triplets.
+    sealed to that client alone. The reply releases the loss and the number of active triplets, and
+    two scalars for watching training: the active fraction (active over valid triplets) and the loss over
+    all valid triplets (:attr:`~fedveil.enclave.triplet.TripletResult.valid_loss`). Beside the first two
+    they reveal only the number of valid triplets, ``sum k (n - 1 - k)`` over the labels' sizes ``k + 1``
+    among the ``n`` embeddings Alg. 1 ran on: without DP the host knows it already from the accepted
+    clients and ``shape``; under Alg. 2 it tells how many embeddings the drop kept per client, in that
+    sum (never which ones), which depends on the drop's coin flips only and on no one's data.
 ``aggregate``
     ``{"round", "attempt", "clients", "num_samples", "size", "max_norm", "final"}`` and one sealed
     gradient record per client. A gradient that is not ``size`` float32 values (the network's parameter
@@ -121,6 +127,10 @@ FRAME_SLACK_BYTES = 64 * 1024
 
 _Blobs = list[memoryview]
 _Reply = tuple[dict[str, Any], list[bytes]]
+
+
+_NO_LOSS: dict[str, Any] = {"loss": None, "num_active": 0, "active_fraction": 0.0, "valid_loss": None}
+"""What step 5 releases when no client was accepted: no loss, no active triplet."""
 
 
 class HeapMeter:
@@ -419,7 +429,7 @@ class EnclaveService:
         )
         accepted = list(embeddings)
         if not accepted:
-            return {"ok": True, "loss": None, "num_active": 0, "clients": [], "rejected": rejected}, []
+            return {"ok": True, **_NO_LOSS, "clients": [], "rejected": rejected}, []
         meter.hold(size + sealed_total)
         counts = [shape[0]] * len(accepted)
         n, d = sum(counts), shape[1]
@@ -443,7 +453,7 @@ class EnclaveService:
         meter.hold(checking)
         accepted, counts, stacked = self._drop_unusable(accepted, counts, stacked, rejected)
         if not accepted:
-            return {"ok": True, "loss": None, "num_active": 0, "clients": [], "rejected": rejected}, []
+            return {"ok": True, **_NO_LOSS, "clients": [], "rejected": rejected}, []
         n = stacked.shape[0]
         labels = np.repeat(np.arange(len(accepted), dtype=np.int64), counts)
         held = size + stacked.nbytes + labels.nbytes
@@ -470,6 +480,8 @@ class EnclaveService:
             "ok": True,
             "loss": float(result.loss),
             "num_active": int(result.num_active),
+            "active_fraction": float(result.active_fraction),
+            "valid_loss": float(result.valid_loss),
             "clients": accepted,
             "rejected": rejected,
         }

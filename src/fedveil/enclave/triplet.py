@@ -82,6 +82,20 @@ class TripletResult:
     tile_size: int
     workspace_bytes: int
 
+    @property
+    def active_fraction(self) -> float:
+        """The share of valid triplets that are active, ``num_active / num_valid`` in [0, 1] (0.0 when no
+        triplet is valid). It falls as the embeddings learn to separate the labels by the margin, while
+        ``loss`` (a mean over the active triplets only) can stay near the margin throughout."""
+        return self.num_active / self.num_valid if self.num_valid else 0.0
+
+    @property
+    def valid_loss(self) -> float:
+        """The sum of the active hinges over the number of *valid* triplets, ``loss * active_fraction``
+        (0.0 when no triplet is valid): with ``batch-all`` the mean of ``max(0, h)`` over every valid
+        triplet, the objective whose fall shows learning."""
+        return self.loss * self.active_fraction
+
 
 @dataclass(frozen=True)
 class _Window:

@@ -33,6 +33,7 @@ from matplotlib.figure import Figure
 from numpy.typing import ArrayLike
 
 from fedveil.errors import ConfigError, ValidationError
+from fedveil.eval.plots import method_colours, save_png
 from fedveil.eval.verification import DEFAULT_FPR_TARGETS, Roc
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "plot_uv_rocs",
     "roc_from_histograms",
     "score_histogram",
+    "uv_roc_figure",
 ]
 
 SCORE_RANGE: tuple[float, float] = (-1.0, 1.0)
@@ -224,20 +226,34 @@ _PANEL_TITLES = {
 
 
 def plot_uv_rocs(
-    curves: Mapping[str, Mapping[str, Roc]], path: str | Path, *, title: str = "ROC", dpi: int = 120
+    curves: Mapping[str, Mapping[str, Roc]],
+    path: str | Path,
+    *,
+    title: str = "ROC",
+    dpi: int = 120,
+    colours: Mapping[str, str] | None = None,
 ) -> Path:
+    """Fig. 2 for one run (:func:`uv_roc_figure`), written as a PNG at ``path`` (must end in ``.png``;
+    parent folders are created); returns its path."""
+    if Path(path).suffix.lower() != ".png":
+        raise ConfigError(f"path must end in .png, got {str(path)!r}")
+    return save_png(uv_roc_figure(curves, title=title, colours=colours), path, dpi=dpi)
+
+
+def uv_roc_figure(
+    curves: Mapping[str, Mapping[str, Roc]], *, title: str = "ROC", colours: Mapping[str, str] | None = None
+) -> Figure:
     """Fig. 2 for one run: a panel per evaluation (``curves[evaluation][method] -> Roc``), every method
-    in every panel, FPR on a log axis (vertices at FPR 0 cannot be drawn there and are left out).
-    Writes a PNG at ``path`` (must end in ``.png``; parent folders are created) and returns its path."""
+    in every panel in its ``colours`` entry (default: :func:`~fedveil.eval.plots.method_colours` of the
+    methods in order), FPR on a log axis (vertices at FPR 0 cannot be drawn there and are left out)."""
     if not curves or any(not methods for methods in curves.values()):
         raise ConfigError("curves must map at least one evaluation to at least one method's Roc")
-    out = Path(path)
-    if out.suffix.lower() != ".png":
-        raise ConfigError(f"path must end in .png, got {str(out)!r}")
     for evaluation, methods in curves.items():
         for name, roc in methods.items():
             if not isinstance(roc, Roc):
                 raise ConfigError(f"curves[{evaluation!r}][{name!r}] must be a Roc, got {type(roc).__name__}")
+    if colours is None:
+        colours = method_colours(name for methods in curves.values() for name in methods)
     fig = Figure(figsize=(4.2 * len(curves), 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(curves), squeeze=False)[0]
@@ -248,7 +264,7 @@ def plot_uv_rocs(
     for ax, (evaluation, methods) in zip(axes, curves.items(), strict=True):
         for name, roc in methods.items():
             keep = roc.fpr > 0
-            ax.plot(roc.fpr[keep], roc.tpr[keep], label=f"{name} ({roc.auc():.3f})")
+            ax.plot(roc.fpr[keep], roc.tpr[keep], color=colours.get(name), label=f"{name} ({roc.auc():.3f})")
         ax.set_xscale("log")
         ax.set_xlim(min(smallest, 1e-2), 1.0)
         ax.set_ylim(0.0, 1.01)
@@ -258,6 +274,4 @@ def plot_uv_rocs(
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right", fontsize="small", title="method (AUC)")
     fig.suptitle(title)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=dpi)
-    return out
+    return fig

@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from fedveil.eval.plots import method_colours, save_png
+
+FEW_POINTS = 3
+"""A series with fewer points is drawn as markers alone: a line through two evaluations suggests a
+trajectory nobody measured."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A horizontal reference line at ``value`` (in the plot's y units), drawn dashed and grey with its
+    ``label`` in the legend: chance, or the untrained model's score."""
+
+    label: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Note:
+    """A text annotation at the data point ``(x, y)`` (e.g. the epsilon a group had spent by then)."""
+
+    x: float
+    y: float
+    text: str
 
 
 def plot_series(
@@ -18,32 +43,83 @@ def plot_series(
     ylabel: str,
     xlabel: str = "round",
     smooth: int = 0,
+    colours: Mapping[str, str] | None = None,
+    references: Sequence[Reference] = (),
+    notes: Sequence[Note] = (),
+    ylim: tuple[float, float] | None = None,
 ) -> Path:
-    """Plot each named series of ``(x, y)`` points as a line (``smooth`` > 1 adds a running mean)
-    and write a PNG to ``path``."""
+    """Draw :func:`series_figure` and write it as a PNG to ``path``."""
+    fig = series_figure(
+        series,
+        title=title,
+        ylabel=ylabel,
+        xlabel=xlabel,
+        smooth=smooth,
+        colours=colours,
+        references=references,
+        notes=notes,
+        ylim=ylim,
+    )
+    return save_png(fig, path)
+
+
+def series_figure(
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    *,
+    title: str,
+    ylabel: str,
+    xlabel: str = "round",
+    smooth: int = 0,
+    colours: Mapping[str, str] | None = None,
+    references: Sequence[Reference] = (),
+    notes: Sequence[Note] = (),
+    ylim: tuple[float, float] | None = None,
+) -> Figure:
+    """Each named series of ``(x, y)`` points as a line in its ``colours`` entry (default:
+    :func:`~fedveil.eval.plots.method_colours` of the names in order). A series of more than 50 points
+    (or any, with ``smooth`` > 1) adds a running mean of window ``smooth`` (default ``len / 50``) over
+    its faint raw line, both in the series' colour; one of fewer than :data:`FEW_POINTS` points is
+    drawn as markers only, and one of fewer than 20 with markers on the line. ``references`` are
+    horizontal lines, ``notes`` text at data points, ``ylim`` the y axis' range (default: fitted)."""
+    colours = colours if colours is not None else method_colours(series)
     fig = Figure(figsize=(6.4, 4.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for name, points in series.items():
         if not points:
             continue
+        colour = colours.get(name)
         x, y = np.asarray(points, dtype=float).T
         window = smooth or max(1, len(y) // 50)
         if window > 1 and len(y) > window:
-            ax.plot(x, y, alpha=0.25, linewidth=0.8)
+            ax.plot(x, y, color=colour, alpha=0.25, linewidth=0.8)
             kernel = np.ones(window) / window
-            ax.plot(x[window - 1 :], np.convolve(y, kernel, mode="valid"), label=f"{name} (mean of {window})")
+            mean = np.convolve(y, kernel, mode="valid")
+            ax.plot(x[window - 1 :], mean, color=colour, label=f"{name} (mean of {window})")
         else:
-            ax.plot(x, y, marker="o" if len(y) < 20 else None, label=name)
+            style = "none" if len(y) < FEW_POINTS else "-"
+            ax.plot(x, y, color=colour, linestyle=style, marker="o" if len(y) < 20 else None, label=name)
+    for ref in references:
+        ax.axhline(ref.value, color="grey", linestyle="--", linewidth=1.0, label=ref.label)
+    for note in notes:
+        ax.annotate(
+            note.text,
+            (note.x, note.y),
+            xytext=(4, 6),
+            textcoords="offset points",
+            fontsize=7,
+            bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.7, "linewidth": 0.3},
+        )
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    return out
+    return fig
 
 
 def plot_seed_curves(

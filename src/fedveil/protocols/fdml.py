@@ -68,12 +68,17 @@ log = logging.getLogger(__name__)
 @dataclass
 class StepFive:
     """What the enclave released in step 5: the ``loss`` and number of ``active`` triplets (to the
-    host), one step-6 message per accepted device (``requests``), and the devices it ``rejected``."""
+    host), one step-6 message per accepted device (``requests``), the devices it ``rejected``, and, to
+    watch training, the ``active_fraction`` of valid triplets and the ``valid_loss`` over all of them
+    (:class:`~fedveil.enclave.triplet.TripletResult`; :mod:`fedveil.enclave.service` says what they
+    reveal)."""
 
     loss: float
     active: int
     requests: dict[ClientId, object]
     rejected: dict[ClientId, str] = field(default_factory=dict)
+    active_fraction: float = 0.0
+    valid_loss: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -209,7 +214,7 @@ class LocalEnclave(_Expecting):
         stacked = np.concatenate([replies[c].embeddings for c in order])
         counts = [len(replies[c].embeddings) for c in order]
         labels = np.repeat(np.arange(len(order)), counts)
-        result: dict[str, float] = {"loss": 0.0, "active": 0}
+        result: dict[str, float] = {"loss": 0.0, "active": 0, "fraction": 0.0, "valid_loss": 0.0}
 
         def alg1(emb: np.ndarray, lab: np.ndarray) -> np.ndarray:
             res = loss_and_derivatives(
@@ -220,6 +225,7 @@ class LocalEnclave(_Expecting):
                 memory_limit_bytes=self.memory_limit_bytes,
             )
             result["loss"], result["active"] = float(res.loss), int(res.num_active)
+            result["fraction"], result["valid_loss"] = res.active_fraction, res.valid_loss
             return res.derivatives
 
         if self.dp is None:
@@ -237,7 +243,13 @@ class LocalEnclave(_Expecting):
             )
         blocks = np.split(released.astype(np.float32, copy=False), np.cumsum(counts)[:-1])
         requests = {c: BackpropRequest(rnd, attempt, d) for c, d in zip(order, blocks, strict=True)}
-        return StepFive(result["loss"], int(result["active"]), requests)
+        return StepFive(
+            result["loss"],
+            int(result["active"]),
+            requests,
+            active_fraction=result["fraction"],
+            valid_loss=result["valid_loss"],
+        )
 
     def gradient_stream(self, rnd: int, attempt: int) -> None:
         """Nothing to stream to: step 9 runs here, on the host's own cores."""
@@ -301,7 +313,14 @@ class AttestedEnclave(_Expecting):
         requests = {
             c: SealedBackpropRequest(rnd, attempt, sealed_record(rec)) for c, rec in res.derivatives.items()
         }
-        return StepFive(res.loss or 0.0, res.num_active, requests, dict(res.rejected))
+        return StepFive(
+            res.loss or 0.0,
+            res.num_active,
+            requests,
+            dict(res.rejected),
+            active_fraction=res.active_fraction,
+            valid_loss=res.valid_loss or 0.0,
+        )
 
     def gradient_stream(self, rnd: int, attempt: int) -> AggregateStream | None:
         """A step-9 stream the host feeds each valid gradient record as it arrives, so that the
@@ -541,7 +560,12 @@ class FDMLServer:
             attempt,
             len(embeds),
             len(grads),
-            extra={"active_triplets": five.active, "enclave_rejected": len(rejected)},
+            extra={
+                "active_triplets": five.active,
+                "active_fraction": five.active_fraction,
+                "valid_loss": five.valid_loss,
+                "enclave_rejected": len(rejected),
+            },
         )
         return fill_traffic(report, before, comm.stats())
 

@@ -5,8 +5,9 @@ FDML Sec. V-A: the cloud controller runs the enclave but "cannot access the part
 and local gradients". :class:`EnclaveHost` is what the FDML server calls. It never sees a key or a
 plaintext embedding, derivative or gradient: it forwards client hellos and sealed records into the
 enclave, returns sealed derivative records and quotes to the clients, and receives in the clear only
-what FDML releases to the cloud: the loss, the number of active triplets and the aggregate gradient
-for the optimizer step (Fig. 2 step 9).
+what FDML releases to the cloud: the loss, the number of active triplets (with the active fraction
+and the loss over all valid triplets, for watching training) and the aggregate gradient for the
+optimizer step (Fig. 2 step 9).
 
 Two transports carry the same bytes (``boundary=``):
 
@@ -294,13 +295,17 @@ class LossResult:
     """Step 5's outcome as the host sees it: each accepted client's sealed ``derivatives`` record
     (to forward to that client), the released ``loss`` (``None`` if no client was accepted) and
     ``num_active`` triplets, the clients ``rejected`` with the reason, and the enclave's
-    ``peak_bytes`` for the call."""
+    ``peak_bytes`` for the call; the ``active_fraction`` of valid triplets and the ``valid_loss`` over
+    all valid triplets (``None`` if no client was accepted; see :mod:`fedveil.enclave.service` for what
+    they reveal)."""
 
     derivatives: dict[str, bytes]
     loss: float | None
     num_active: int
     rejected: dict[str, str]
     peak_bytes: int
+    active_fraction: float = 0.0
+    valid_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -568,6 +573,8 @@ class EnclaveHost:
             num_active=head["num_active"],
             rejected=dict(head["rejected"]),
             peak_bytes=head["peak_bytes"],
+            active_fraction=head["active_fraction"],
+            valid_loss=head["valid_loss"],
         )
 
     def _batches(self, sealed: Mapping[str, Buffer]) -> Iterator[list[str]]:

@@ -3,7 +3,9 @@
 ``runs/<name>/`` receives ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one JSON line per
 round, fsynced as it is written, plus one ``{"eval": ...}`` line per evaluation), ``checkpoint.npz``
 (the server's state after the latest round, written after that round's line), ``results.json`` (final
-metrics) and PNG plots (``loss.png``, ``accuracy.png``, ``roc.png``).
+metrics) and PNG plots (:func:`~fedveil.experiments.fdml.figures.run_figures`: ``loss.png``,
+``active_fraction.png``, ``accuracy.png``, ``roc.png``; ``round_timing.png`` where devices report
+timings).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from fedveil.data.touch_csv import load_touch_population
 from fedveil.data.touchauth import TouchAuthConfig, generate_touchauth
 from fedveil.enclave.measure import EnclaveConfig, measure_enclave
 from fedveil.errors import ConfigError, RunInterrupted
-from fedveil.eval.plots import plot_roc
 from fedveil.eval.verification import authentication_accuracy
 from fedveil.experiments.checkpoint import (
     Checkpoint,
@@ -49,8 +50,9 @@ from fedveil.experiments.checkpoint import (
     save_checkpoint,
 )
 from fedveil.experiments.config import ExperimentConfig, config_to_dict
+from fedveil.experiments.fdml.figures import write_run_plots
 from fedveil.experiments.fdml.privacy_setup import plan_privacy
-from fedveil.experiments.plots import plot_round_timing, plot_series, summarise_timings
+from fedveil.experiments.plots import plot_round_timing, summarise_timings
 from fedveil.models.faces import ResNet34Embedding
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
@@ -315,8 +317,25 @@ def embed_samples(flat: FlatModel, weights: np.ndarray, samples: np.ndarray, bat
 
 def evaluate(trainer: Trainer, population: Any, seed: int) -> tuple[dict[str, Any], Any]:
     """Sec. VII-C accuracy, EER, AUC and TPR at FPRs of the current embedding network."""
+    return evaluate_weights(trainer.embed_flat, trainer.embedding_weights(), population, seed)
+
+
+def untrained_accuracy(cfg: ExperimentConfig, population: Any) -> float:
+    """Sec. VII-C accuracy (percent) of the embedding network as ``cfg.seed`` initialises it, before any
+    round: the no-learning baseline of ``accuracy.png`` (a network that only maps each user's inputs
+    somewhere already separates some users; an uninformative one scores 50%, one minus the EER)."""
+    embed_flat, _ = _models(cfg, len(population.train_user_ids()))
+    metrics, _ = evaluate_weights(embed_flat, embed_flat.initial(), population, cfg.eval.seed)
+    return float(metrics["accuracy_percent"])
+
+
+def evaluate_weights(
+    flat: FlatModel, weights: np.ndarray, population: Any, seed: int
+) -> tuple[dict[str, Any], Any]:
+    """Sec. VII-C accuracy, EER, AUC and TPR at FPRs of the embedding network ``flat`` under ``weights``
+    on ``population``'s test users (the users drawn by ``seed``)."""
     _, samples = population.test_samples()
-    emb = embed_samples(trainer.embed_flat, trainer.embedding_weights(), samples)
+    emb = embed_samples(flat, weights, samples)
     rep = authentication_accuracy(emb, np.random.default_rng(seed))
     metrics = {
         "accuracy_percent": float(rep.accuracy_percent),
@@ -445,9 +464,6 @@ def run_experiment(
     losses: list[tuple[int, float]] = [
         (h["round"], float(h["loss"])) for h in history if "round" in h and h.get("loss") is not None
     ]
-    evals: list[tuple[int, float]] = [
-        (h["eval"]["round"], h["eval"]["accuracy_percent"]) for h in history if "eval" in h
-    ]
     totals = {"bytes_up": 0, "bytes_down": 0, "sim_seconds": 0.0, "dropouts": 0, "applied": 0, "rounds": 0}
     for h in history:
         if "round" in h and "applied" in h:
@@ -488,7 +504,6 @@ def run_experiment(
         metrics, roc = await asyncio.to_thread(evaluate_at, rnd)
         if rnd not in evaluated:
             evaluated.add(rnd)
-            evals.append((rnd, metrics["accuracy_percent"]))
             _json_line(fh, {"eval": {"round": rnd, **metrics}})
 
     async def train(fh: Any, dh: Any) -> None:
@@ -619,6 +634,7 @@ def run_experiment(
     finally:
         trainer.close()
     real = time.perf_counter() - started
+    untrained = untrained_accuracy(cfg, population)
     results = {
         "name": cfg.name,
         "protocol": cfg.protocol,
@@ -629,6 +645,7 @@ def run_experiment(
         "rounds": totals["rounds"],
         "rounds_applied": totals["applied"],
         **metrics,
+        "untrained_accuracy_percent": untrained,
         "final_loss": losses[-1][1] if losses else None,
         "bytes_up": totals["bytes_up"],
         "bytes_down": totals["bytes_down"],
@@ -655,15 +672,5 @@ def run_experiment(
             out / "round_timing.png",
             title=f"{cfg.name}: round {last_timing['round']}",
         )
-    if losses:
-        plot_series({"loss": losses}, out / "loss.png", title=f"{cfg.name}: training loss", ylabel="loss")
-    if evals:
-        plot_series(
-            {"accuracy": evals},
-            out / "accuracy.png",
-            title=f"{cfg.name}: Sec. VII-C accuracy",
-            ylabel="accuracy (%)",
-        )
-    if roc is not None:
-        plot_roc({cfg.name: roc}, out / "roc.png", title=f"{cfg.name}: ROC on test users")
+    write_run_plots(out, cfg.name, roc=roc, untrained_percent=untrained)
     return results

@@ -1,0 +1,129 @@
+"""Plots that teach: FDML's learning signals (active fraction, loss over all valid triplets, accuracy
+against the untrained network), one colour per method across a run's plots, PoliFL's chance line and
+epsilon notes, AIoT's plots."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+
+from fedveil.enclave.triplet import loss_and_derivatives
+from fedveil.eval.plots import method_colours
+from fedveil.experiments.config import load_config
+from fedveil.experiments.fdml.figures import run_figures
+from fedveil.experiments.fdml.runner import run_experiment
+from fedveil.experiments.plots import Reference, series_figure
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+SMALL = [
+    "data.train_users_per_model=[6, 6]",
+    "data.test_users_per_model=[11, 11]",
+    "fdml.num_required=4",
+    "fdml.samples_per_client=4",
+]
+
+
+def assert_png(path: Path) -> None:
+    """``path`` is a PNG that matplotlib decodes to a non-empty image."""
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    assert min(imread(path).shape[:2]) > 50, path
+
+
+def line_colours(fig: Figure) -> dict[str, str]:
+    """Legend label -> hex colour of every labelled line of every axes of ``fig``."""
+    from matplotlib.colors import to_hex
+
+    return {
+        line.get_label(): to_hex(line.get_color())
+        for ax in fig.axes
+        for line in ax.get_lines()
+        if not line.get_label().startswith("_")
+    }
+
+
+@pytest.mark.parametrize("strategy", ["batch-all", "semi-hard"])
+def test_active_fraction_and_valid_loss_match_a_brute_force_count(strategy: str) -> None:
+    rng = np.random.default_rng(3)
+    emb = rng.normal(0, 1, (12, 3))
+    labels = np.repeat(np.arange(4), 3)
+    res = loss_and_derivatives(emb, labels, margin=1.0, strategy=strategy)
+    valid, hinges = 0, []
+    for a, p, n in itertools.permutations(range(12), 3):
+        if labels[a] != labels[p] or labels[n] == labels[a]:
+            continue
+        valid += 1
+        d_ap, d_an = np.linalg.norm(emb[a] - emb[p]), np.linalg.norm(emb[a] - emb[n])
+        h = d_ap + 1.0 - d_an
+        if h > 0 and (strategy == "batch-all" or d_ap < d_an):
+            hinges.append(h)
+    assert 0 < len(hinges) < valid
+    assert res.active_fraction == pytest.approx(len(hinges) / valid, rel=1e-12)
+    assert res.valid_loss == pytest.approx(sum(hinges) / valid, rel=1e-9)
+    assert res.valid_loss < res.loss
+
+
+def test_no_valid_triplet_gives_zero_fraction_and_loss() -> None:
+    res = loss_and_derivatives(np.zeros((3, 2)), np.arange(3), margin=1.0)
+    assert (res.active_fraction, res.valid_loss) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("boundary", ["none", "inprocess"])
+def test_fdml_run_records_the_learning_signals_and_plots_them(
+    tmp_path: Path, toy_population, boundary: str
+) -> None:
+    cfg = load_config(None, ["rounds=4", "eval.every=2", "name=t", f"enclave.boundary={boundary}", *SMALL])
+    results = run_experiment(cfg, tmp_path, progress=False, population=toy_population)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rounds = [x for x in lines if "round" in x]
+    assert len(rounds) == 4
+    for line in rounds:
+        assert 0.0 <= line["active_fraction"] <= 1.0
+        assert 0.0 <= line["valid_loss"] <= line["loss"]
+        assert line["active_triplets"] > 0  # the existing key keeps its meaning
+    for name in ("loss.png", "active_fraction.png", "accuracy.png", "roc.png"):
+        assert_png(tmp_path / name)
+    baseline = results["untrained_accuracy_percent"]
+    assert 0.0 <= baseline <= 100.0
+    figures = run_figures(tmp_path, "t", untrained_percent=baseline)
+    ax = figures["accuracy.png"].axes[0]
+    assert ax.get_ylim()[0] == 0.0 and ax.get_ylim()[1] >= 100.0
+    drawn = {line.get_label(): line for line in ax.get_lines()}
+    (label,) = [k for k in drawn if k.startswith("untrained network (round 0)")]
+    assert list(drawn[label].get_ydata()) == [baseline, baseline]
+    assert figures["active_fraction.png"].axes[0].get_ylim()[0] == 0.0
+
+
+def test_two_points_are_markers_without_a_line() -> None:
+    fig = series_figure(
+        {"two": [(1, 0.2), (2, 0.4)], "three": [(1, 0.1), (2, 0.3), (3, 0.5)]},
+        title="t",
+        ylabel="y",
+        references=[Reference("chance", 0.1)],
+    )
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert lines["two"].get_linestyle() == "None" and lines["two"].get_marker() == "o"
+    assert lines["three"].get_linestyle() == "-"
+    assert list(lines["chance"].get_ydata()) == [0.1, 0.1]
+
+
+def test_a_smoothed_series_keeps_its_colour_for_raw_and_mean() -> None:
+    rng = np.random.default_rng(0)
+    series = {m: [(r, float(rng.random())) for r in range(200)] for m in ("a", "b", "c")}
+    fig = series_figure(series, title="t", ylabel="y")
+    colours = method_colours(series)
+    for ax_line in fig.axes[0].get_lines():
+        label = ax_line.get_label()
+        if not label.startswith("_"):
+            assert line_colours(fig)[label] == colours[label.split(" ")[0]]
+    raw = [line for line in fig.axes[0].get_lines() if line.get_label().startswith("_")]
+    from matplotlib.colors import to_hex
+
+    assert [to_hex(line.get_color()) for line in raw] == list(colours.values())
