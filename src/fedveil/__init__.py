@@ -13,10 +13,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from fedveil._version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from fedveil.api import FedAvgPrivacy, FedAvgResult, load_config, run, train_fedavg
+    from fedveil.api import FedAvgPrivacy, FedAvgResult, ServerUploads, load_config, run, train_fedavg
     from fedveil.attacks.dlg import dlg_attack
     from fedveil.attacks.idlg import idlg_attack
     from fedveil.attacks.inversion import evaluate_inversion
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from fedveil.runtime.simulation import SimulationRuntime
 
 _SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("fedveil.api", ("FedAvgPrivacy", "FedAvgResult", "load_config", "run", "train_fedavg")),
+    ("fedveil.api", ("FedAvgPrivacy", "FedAvgResult", "ServerUploads", "load_config", "run", "train_fedavg")),
     ("fedveil.experiments.config", ("ExperimentConfig",)),
     (
         "fedveil.protocols.fedavg",
@@ -166,6 +166,7 @@ __all__ = [
     "PrivacyLedger",
     "PureEpsilonRelease",
     "SealedView",
+    "ServerUploads",
     "SimulationRuntime",
     "UpdateView",
     "UserData",

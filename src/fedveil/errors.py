@@ -6,6 +6,8 @@ offending value and what to do instead. The CLI prints these as one line, withou
 
 from __future__ import annotations
 
+__all__ = ["CodecError", "ConfigError", "FedveilError", "RunInterrupted", "ValidationError"]
+
 
 class FedveilError(ValueError):
     """Base class of user-facing errors: the message names the value and the allowed alternative."""

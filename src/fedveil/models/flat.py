@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+__all__ = ["FlatModel", "float_buffers"]
+
 
 def float_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``module``'s floating-point buffers by name (BatchNorm's running statistics; not its counters)."""

@@ -42,6 +42,22 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from fedveil.errors import ConfigError
 from fedveil.privacy.names import ACCOUNTANTS, MECHANISMS
 
+__all__ = [
+    "DEFAULT_PLD_INTERVAL",
+    "TF_PRIVACY_RDP_ORDERS",
+    "Accountant",
+    "GaussianRelease",
+    "LaplaceRelease",
+    "PureEpsilonRelease",
+    "Release",
+    "UnsupportedMechanismError",
+    "calibrate_noise",
+    "epsilon_of",
+    "pld_delta",
+    "pld_epsilon",
+    "pld_of",
+]
+
 #: Default PLD grid: privacy losses are rounded up (pessimistically) to multiples of this.
 DEFAULT_PLD_INTERVAL = 1e-4
 

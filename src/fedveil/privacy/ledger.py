@@ -47,6 +47,19 @@ from fedveil.privacy.accounting import (
 )
 from fedveil.privacy.names import DEFAULT_DELTA
 
+__all__ = [
+    "ACCOUNTINGS",
+    "MAX_ROUNDS",
+    "PrivacyLedger",
+    "calibrate_fdml_noise",
+    "composed_epsilon",
+    "fdml_ledger",
+    "fdml_participation_rate",
+    "fdml_privacy_summary",
+    "paper_round_event",
+    "strict_round_event",
+]
+
 ACCOUNTINGS = MODES
 #: The most rounds :meth:`PrivacyLedger.affordable_rounds` searches by default (one PLD of 10^6
 #: rounds takes about 0.2 s; the cost grows with the number of rounds).

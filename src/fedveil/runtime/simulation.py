@@ -27,6 +27,8 @@ from fedveil.errors import CodecError, ConfigError, ValidationError
 
 log = logging.getLogger(__name__)
 
+__all__ = ["LATENCY_KINDS", "ClientPool", "LatencyModel", "PhaseFaults", "SimulationRuntime"]
+
 LATENCY_KINDS = ("constant", "exponential", "lognormal", "uniform")
 
 
