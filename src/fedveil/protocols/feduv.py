@@ -483,7 +483,9 @@ class UvClients:
         return self._codes[(n, k)]
 
     def _codeword(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
-        """Alg. 2, user side: ``v_u = C(b_u || r_u)`` with fresh local ``r_u``; reply with an ack only."""
+        """Alg. 2, user side: ``v_u = C(b_u || r_u)`` with fresh local ``r_u``; reply with an ack only.
+        A user that already holds a codeword of this code for the same ``b_u`` (a restarted server runs
+        set-up again) keeps it: its training target does not change in the middle of a run."""
         out: dict[ClientId, object] = {}
         for cid, m in msgs.items():
             assert isinstance(m, BaseVector)
@@ -497,6 +499,14 @@ class UvClients:
                 )
                 continue
             user = self._users[cid]
+            held = user.codeword
+            if (
+                held is not None
+                and (held.bits.size, held.base_bits.size + held.random_bits.size) == (code.n, code.k)
+                and np.array_equal(held.base_bits, m.base_bits)
+            ):
+                out[cid] = CodewordReady(code.n)
+                continue
             try:
                 user.codeword = make_codeword(
                     np.array(m.base_bits), code, code.k - m.base_bits.size, user.rng

@@ -414,8 +414,11 @@ def run_feduv(
     the settings. Users' codewords and classes are not in it: set-up draws them again from the same
     seeded generators. A resumed run continues each method from its last checkpointed round, only under
     the same settings, and reaches the uninterrupted run's model; a method's checkpoint is removed once
-    its outcome is written. Over the ``network`` the users' generators live in the agents: a method
-    interrupted there starts again from its first round. A different ``cfg`` in an existing ``out_dir``
+    its outcome is written. Over the ``network`` the checkpoint holds the same but the users' generators,
+    which live in the agents: a resumed method continues from its last checkpointed round with that
+    round's model and selection generator, and its users draw on from their agents' streams (a fresh
+    agent's from their start), so its model is not bit-identical to an uninterrupted run's; users keep
+    their codewords when set-up runs again. A different ``cfg`` in an existing ``out_dir``
     is refused (:class:`ConfigError` naming the settings that differ); without ``resume`` a directory
     that holds anything is refused, unless ``overwrite`` clears it first. Ctrl-C stops every method in
     training at the end of its round, after its checkpoint
@@ -476,7 +479,7 @@ def run_feduv(
                             network=network,
                             out=out,
                             stop=stop,
-                            checkpoints=None if network is not None else (out, digest),
+                            checkpoints=(out, digest),
                         )
                     )
                     stop.check()
@@ -728,8 +731,9 @@ def _train_one(
     """Train, deploy and evaluate one method; ``advance(n)`` after every ``tick_every`` rounds.
     ``network`` (a :class:`fedveil.experiments.network_run.NetworkPlan`) runs the users as device agents
     over gRPC + mutual TLS instead of in this process; ``stop`` ends it at the end of a round after a
-    Ctrl-C. ``checkpoints`` (the run directory and the settings' digest, simulation only) checkpoints
-    every round in ``methods/<label>.checkpoint.npz`` and continues from the one there (:func:`run_feduv`)."""
+    Ctrl-C. ``checkpoints`` (the run directory and the settings' digest) checkpoints every round in
+    ``methods/<label>.checkpoint.npz`` and continues from the one there (:func:`run_feduv`; over the
+    ``network`` without the users' generators, which live in the agents)."""
     server, pool = _build(cfg, method, code_length, data, code_cache_dir)
     runtime: Any
     if network is None:
@@ -760,8 +764,8 @@ def _train_one(
         arrays, meta = server.engine.state_dict()
         extra = {
             "server": meta,
-            "pool": pool_rng_states(pool),
-            "runtime_rng": runtime.rng.bit_generator.state,
+            "pool": None if network is not None else pool_rng_states(pool),
+            "runtime_rng": None if network is not None else runtime.rng.bit_generator.state,
             "stats": _stats_state(runtime),
             "lines": lines,
             "method": label,
@@ -778,8 +782,15 @@ def _train_one(
         assert checkpoints is not None
         check_checkpoint_identity(checkpoints[0] / "methods", previous, checkpoints[1], name=name)
         server.engine.load_state_dict(previous.arrays, previous.meta["server"])
-        restore_pool_rngs(pool, previous.meta["pool"])
-        runtime.rng.bit_generator.state = previous.meta["runtime_rng"]
+        if network is None:
+            if previous.meta["pool"] is None:
+                raise ConfigError(
+                    f"{name} in {str(checkpoints[0] / 'methods')!r} (round {previous.round}) was trained "
+                    "over the network and holds no user generators: resume it with --runtime network, or "
+                    f"delete {name} to train {label} again from its first round"
+                )
+            restore_pool_rngs(pool, previous.meta["pool"])
+            runtime.rng.bit_generator.state = previous.meta["runtime_rng"]
         _restore_stats(runtime, previous.meta["stats"])
         lines.extend(previous.meta["lines"])
         step(previous.round)
