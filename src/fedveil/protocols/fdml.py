@@ -60,7 +60,7 @@ from fedveil.protocols.registration import attest_clients, register_clients, rej
 from fedveil.protocols.settings import FDMLConfig
 
 if TYPE_CHECKING:
-    from fedveil.runtime.enclave_host import AggregateStream
+    from fedveil.protocols.enclave_relay import AggregateStream
 
 log = logging.getLogger(__name__)
 

@@ -65,6 +65,7 @@ from fedveil.models.measure import LiveBytes
 from fedveil.models.vision import LayerwiseNet
 from fedveil.models.zoo import INITS, darknet_bound
 from fedveil.protocols.common import RoundReport, client_rng, expect
+from fedveil.protocols.enclave_relay import LayerwiseEnclave
 from fedveil.protocols.fedavg import BATCH_BELOW_PARAMS, FedAvgEngine, FitResult, select_connected
 from fedveil.protocols.local import LocalOptimizer, local_train, local_train_cohort
 from fedveil.protocols.messages import Register, RegistrationCall, SessionOffer, SessionReady
@@ -79,7 +80,6 @@ from fedveil.protocols.ppfl_messages import (
     PublicLayersSet,
 )
 from fedveil.protocols.registration import attest_clients, register_clients
-from fedveil.runtime.enclave_host import EnclaveHost
 
 __all__ = [
     "ClientTee",
@@ -988,7 +988,7 @@ class PpflServer:
         self,
         model: LayerwiseNet,
         cfg: PpflConfig,
-        enclave: EnclaveHost,
+        enclave: LayerwiseEnclave,
         rng: np.random.Generator,
         *,
         public: nn.Module | None = None,
