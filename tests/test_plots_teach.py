@@ -127,3 +127,29 @@ def test_a_smoothed_series_keeps_its_colour_for_raw_and_mean() -> None:
     from matplotlib.colors import to_hex
 
     assert [to_hex(line.get_color()) for line in raw] == list(colours.values())
+
+
+def test_feduv_gives_each_method_one_colour_in_both_figures() -> None:
+    from fedveil.eval.verification import Roc
+    from fedveil.experiments.feduv.runner import run_figures as feduv_figures
+
+    methods = ["softmax", "fedaws", "feduv-127"]
+    rng = np.random.default_rng(1)
+    rocs = {
+        m: Roc(
+            np.r_[0.0, np.sort(rng.random(5)), 1.0], np.r_[0.0, np.sort(rng.random(5)), 1.0], np.arange(7.0)
+        )
+        for m in methods
+    }
+    curves = {"train": dict(rocs), "test_known": dict(rocs)}
+    losses = {
+        m: [(r, float(rng.random())) for r in range(1, 301)] for m in methods
+    }  # smoothed: two lines each
+    figures = feduv_figures("t", "t", curves, losses)
+    roc_colours = line_colours(figures["roc.png"])
+    loss_colours = line_colours(figures["loss.png"])
+    for m in methods:
+        in_roc = {c for label, c in roc_colours.items() if label.startswith(f"{m} (")}
+        in_loss = {c for label, c in loss_colours.items() if label.startswith(f"{m} (")}
+        assert len(in_roc) == 1 and in_roc == in_loss, m
+    assert len({next(c for k, c in roc_colours.items() if k.startswith(m)) for m in methods}) == 3

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 from torch import nn
 from tqdm import tqdm
 
@@ -53,7 +54,8 @@ from fedveil.core.communicator import Dropout
 from fedveil.core.provenance import code_identity
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv, writer_difficulty_probe
 from fedveil.errors import ConfigError, RunInterrupted
-from fedveil.eval.uv import DEFAULT_BINS, UV_EVALUATIONS, UvEvaluation, plot_uv_rocs
+from fedveil.eval.plots import method_colours, save_png
+from fedveil.eval.uv import DEFAULT_BINS, UV_EVALUATIONS, UvEvaluation, uv_roc_figure
 from fedveil.eval.verification import Roc
 from fedveil.experiments.checkpoint import (
     Checkpoint,
@@ -66,7 +68,7 @@ from fedveil.experiments.checkpoint import (
     save_checkpoint,
 )
 from fedveil.experiments.config import load_run_config, refuse_keys_without_effect
-from fedveil.experiments.plots import plot_series
+from fedveil.experiments.plots import series_figure
 from fedveil.models.feduv import build_uv_net
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 from fedveil.protocols.feduv import (
@@ -521,16 +523,32 @@ def run_feduv(
     results["shape"] = shape_checks(aucs)
     results["real_seconds"] = time.perf_counter() - started
     (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    title = f"{cfg.name}: MNIST-UV ({cfg.writers} writers, {cfg.rounds} rounds)"
-    plot_uv_rocs(curves, out / "roc.png", title=title)
     losses = {
         label: [
             (line["round"], line["loss"]) for line in outcomes[label].lines if line.get("loss") is not None
         ]
         for label, _, _ in cfg.runs()
     }
-    plot_series(losses, out / "loss.png", title=f"{cfg.name}: mean local training loss", ylabel="loss")
+    title = f"{cfg.name}: MNIST-UV ({cfg.writers} writers, {cfg.rounds} rounds)"
+    for file, fig in run_figures(cfg.name, title, curves, losses).items():
+        save_png(fig, out / file)
     return results
+
+
+def run_figures(
+    name: str, title: str, curves: dict[str, dict[str, Roc]], losses: dict[str, list[tuple[int, float]]]
+) -> dict[str, Figure]:
+    """A run's figures by file name: ``roc.png`` (Fig. 2: ``curves[evaluation][method]``, a panel per
+    evaluation, titled ``title``) and ``loss.png`` (each method's mean local training loss per round,
+    ``losses[method]``), every method in its colour of one :func:`~fedveil.eval.plots.method_colours`
+    map, so a method looks the same in both."""
+    colours = method_colours(losses)
+    return {
+        "roc.png": uv_roc_figure(curves, title=title, colours=colours),
+        "loss.png": series_figure(
+            losses, title=f"{name}: mean local training loss", ylabel="loss", colours=colours
+        ),
+    }
 
 
 def _claim_run_dir(out: Path, cfg: FeduvRunConfig) -> None:
