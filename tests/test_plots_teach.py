@@ -18,6 +18,7 @@ from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.figures import run_figures
 from fedveil.experiments.fdml.runner import run_experiment
 from fedveil.experiments.plots import Reference, series_figure
+from fedveil.models.flat import FlatModel
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -153,3 +154,58 @@ def test_feduv_gives_each_method_one_colour_in_both_figures() -> None:
         in_loss = {c for label, c in loss_colours.items() if label.startswith(f"{m} (")}
         assert len(in_roc) == 1 and in_roc == in_loss, m
     assert len({next(c for k, c in roc_colours.items() if k.startswith(m)) for m in methods}) == 3
+
+
+POLIFL = """
+name: tiny
+task: mpu
+clients: 8
+hidden: 4
+clients_per_round: 2
+batch_size: 16
+lr: 0.5
+clip_norm: 1.0
+groups:
+  - name: strict
+    policy: "get_data . runFL . check_privacy_budget(max_eps=20) . return"
+    noise: 2.0
+  - name: loose
+    policy: "get_data . runFL . return"
+    noise: 1.0
+strategies: [cascaded]
+rounds: 2
+eval_every: 1
+threads: 1
+"""
+
+
+def test_polifl_curves_show_chance_and_each_stage_epsilon_over_its_budget(tmp_path: Path) -> None:
+    from fedveil.experiments.polifl.runner import build_task, curves_figure, load_polifl_run, run_polifl
+
+    (tmp_path / "tiny.yaml").write_text(POLIFL)
+    run = load_polifl_run(tmp_path / "tiny.yaml")
+    results = run_polifl(run, tmp_path / "run", progress=False)
+    assert_png(tmp_path / "run" / "curves.png")
+    ax = curves_figure(run, build_task(run), results["strategies"]).axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["chance (AUC 0.5)"].get_ydata()) == [0.5, 0.5]
+    notes = [t.get_text() for t in ax.texts]
+    stages = results["strategies"]["cascaded"]["stages"]
+    assert len(notes) == len(stages) == 2
+    first = stages[0]["epsilon"]["strict"]
+    assert notes[0] == f"ε strict {first:.3g}/20"  # spent over the policy's budget
+    assert notes[1].startswith("ε loose ") and "/" not in notes[1]  # no budget in its policy
+
+
+@pytest.mark.parametrize(("task", "classes"), [("images", 7), ("text", 50)])
+def test_polifl_chance_is_one_over_the_classes(task: str, classes: int) -> None:
+    import torch
+
+    from fedveil.experiments.polifl.runner import ModelSpec, Task, chance_level
+
+    spec = ModelSpec(task, num_classes=classes if task == "images" else 10, vocab=classes)
+    flat = FlatModel(torch.nn.Linear(2, 2))
+    made = Task(flat, {}, {}, torch.nn.functional.cross_entropy, None, "accuracy", None, spec=spec)
+    chance = chance_level(made)
+    assert chance is not None and chance.value == pytest.approx(1 / classes)
+    assert f"1 / {classes} classes" in chance.label

@@ -28,11 +28,13 @@ class Reference:
 
 @dataclass(frozen=True)
 class Note:
-    """A text annotation at the data point ``(x, y)`` (e.g. the epsilon a group had spent by then)."""
+    """A text annotation at the data point ``(x, y)`` (e.g. the epsilon a group had spent by then), in
+    ``colour`` (default: black), e.g. that of the series it annotates."""
 
     x: float
     y: float
     text: str
+    colour: str | None = None
 
 
 def plot_series(
@@ -108,6 +110,7 @@ def series_figure(
             xytext=(4, 6),
             textcoords="offset points",
             fontsize=7,
+            color=note.colour,
             bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.7, "linewidth": 0.3},
         )
     if ylim is not None:

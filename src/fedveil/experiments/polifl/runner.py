@@ -20,8 +20,9 @@ release outcome) is written to ``OUT/<strategy>/state.json`` + ``weights.npz``, 
 strategies are not run again. Without ``resume`` a folder that holds anything is refused, unless
 ``overwrite`` clears it first. Ctrl-C stops at the end of the round in progress
 (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`); its stage starts again on resume.
-``results.json`` and ``curves.png`` (the metric over rounds per strategy: Fig. 6/7's shape) are rewritten
-after every stage.
+``results.json`` and ``curves.png`` (the metric over rounds per strategy: Fig. 6/7's shape, with the
+task's chance level and, after each stage, the epsilon its groups had spent over their budgets) are
+rewritten after every stage.
 """
 
 from __future__ import annotations
@@ -39,20 +40,22 @@ from typing import Any
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from fedveil.core.atomic import atomic_write
 from fedveil.core.communicator import Communicator
 from fedveil.core.provenance import code_identity
 from fedveil.errors import ConfigError, RunInterrupted
+from fedveil.eval.plots import method_colours, save_png
 from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
 from fedveil.experiments.config import load_run_config
-from fedveil.experiments.plots import plot_series
+from fedveil.experiments.plots import Note, Reference, series_figure
 from fedveil.experiments.report import announce_stand_in
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.groups import GroupLedger, noise_multiplier
 from fedveil.privacy.pairs import DataPolicyPair, PolicyViolation
-from fedveil.privacy.policy import parse, show
+from fedveil.privacy.policy import budget_of, parse, show
 from fedveil.privacy.sandbox import (
     DeadlineExceeded,
     SandboxError,
@@ -989,17 +992,7 @@ def run_polifl(
                     run, task, strategy, out, progress=progress, stop=stop
                 )
                 atomic_write(out / "results.json", json.dumps(results, indent=1, default=_json).encode())
-                series = {
-                    s: [(h["round"], h[task.metric]) for h in r["history"] if task.metric in h]
-                    for s, r in results["strategies"].items()
-                }
-                plot_series(
-                    series,
-                    out / "curves.png",
-                    title=f"PoliFL {run.task}: {task.metric} over rounds",
-                    ylabel=task.metric,
-                    smooth=1,
-                )
+                save_png(curves_figure(run, task, results["strategies"]), out / "curves.png")
                 stop.check()
     except KeyboardInterrupt:
         raise RunInterrupted(
@@ -1007,6 +1000,61 @@ def run_polifl(
             f"{out / strategy.replace(':', '_')}, and the stage it was in starts again from its first round"
         ) from None
     return results
+
+
+def chance_level(task: Task) -> Reference | None:
+    """The score of a model that learned nothing, from the task's classes: accuracy ``1 / classes``
+    (``images``: the model's classes; ``text``: a uniform guess over the vocabulary) or ROC AUC 0.5
+    (``mpu``); ``None`` where the server evaluates nothing (networked devices)."""
+    if task.metric == "auc":
+        return Reference("chance (AUC 0.5)", 0.5)
+    if task.metric == "accuracy" and task.spec is not None:
+        classes = task.spec.num_classes if task.spec.task == "images" else task.spec.vocab
+        return Reference(f"chance (1 / {classes} classes)", 1.0 / classes)
+    return None
+
+
+def epsilon_notes(run: PolifLRun, summary: dict[str, Any], metric: str, colour: str | None) -> list[Note]:
+    """One note per trained stage of a strategy's ``summary`` (:func:`run_strategy`), at the stage's last
+    round on its ``metric`` curve: each stage group's epsilon spent by then (at the run's delta) over
+    the budget its policy names (none: no budget; ``inf``: a round without noise)."""
+    budgets = {g.name: budget_of(parse(g.policy)) for g in run.groups}
+    points = {h["round"]: h[metric] for h in summary["history"] if metric in h}
+    notes: list[Note] = []
+    end = 0
+    for row in summary["stages"]:
+        end += row.get("rounds", 0)
+        if not row.get("epsilon") or end not in points:
+            continue
+        spent = [
+            f"{g} {'∞' if math.isinf(eps) else f'{eps:.3g}'}"
+            + (f"/{budgets[g]:g}" if budgets.get(g) is not None else "")
+            for g, eps in row["epsilon"].items()
+        ]
+        notes.append(Note(end, points[end], "ε " + ", ".join(spent), colour))
+    return notes
+
+
+def curves_figure(run: PolifLRun, task: Task, strategies: dict[str, dict[str, Any]]) -> Figure:
+    """``curves.png``: each strategy's metric over rounds (Fig. 6/7's shape) in its colour, the chance
+    level (:func:`chance_level`) and, at the end of every stage, the epsilon each of its groups had spent
+    over its budget (:func:`epsilon_notes`)."""
+    series = {
+        s: [(h["round"], h[task.metric]) for h in r["history"] if task.metric in h]
+        for s, r in strategies.items()
+    }
+    colours = method_colours(series)
+    chance = chance_level(task)
+    return series_figure(
+        series,
+        title=f"PoliFL {run.task}: {task.metric} over rounds (ε spent / budget after each stage)",
+        ylabel=task.metric,
+        smooth=1,
+        colours=colours,
+        references=[chance] if chance is not None else [],
+        notes=[n for s, r in strategies.items() for n in epsilon_notes(run, r, task.metric, colours[s])],
+        ylim=(0.0, 1.02),
+    )
 
 
 def _claim_run_dir(out: Path, run: PolifLRun) -> None:
