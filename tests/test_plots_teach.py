@@ -10,7 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.colors import to_hex
+from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
+from matplotlib.image import imread
 
 from fedveil.enclave.triplet import loss_and_derivatives
 from fedveil.eval.plots import method_colours
@@ -32,16 +35,12 @@ SMALL = [
 
 def assert_png(path: Path) -> None:
     """``path`` is a PNG that matplotlib decodes to a non-empty image."""
-    from matplotlib.image import imread
-
     assert path.read_bytes()[:8] == PNG_MAGIC, path
     assert min(imread(path).shape[:2]) > 50, path
 
 
 def line_colours(fig: Figure) -> dict[str, str]:
     """Legend label -> hex colour of every labelled line of every axes of ``fig``."""
-    from matplotlib.colors import to_hex
-
     return {
         line.get_label(): to_hex(line.get_color())
         for ax in fig.axes
@@ -125,8 +124,6 @@ def test_a_smoothed_series_keeps_its_colour_for_raw_and_mean() -> None:
         if not label.startswith("_"):
             assert line_colours(fig)[label] == colours[label.split(" ")[0]]
     raw = [line for line in fig.axes[0].get_lines() if line.get_label().startswith("_")]
-    from matplotlib.colors import to_hex
-
     assert [to_hex(line.get_color()) for line in raw] == list(colours.values())
 
 
@@ -209,3 +206,42 @@ def test_polifl_chance_is_one_over_the_classes(task: str, classes: int) -> None:
     chance = chance_level(made)
     assert chance is not None and chance.value == pytest.approx(1 / classes)
     assert f"1 / {classes} classes" in chance.label
+
+
+AIOT = """
+name: tiny
+size: 32
+width: 0.25
+public_identities: 8
+pretrain_epochs: 1
+private_identities: 6
+test_identities: 5
+wild: 2
+identities_per_device: 3
+rounds: 1
+clients_per_round: 2
+batch_size: 4
+trials: 2
+methods: [pretrained, ours]
+threads: 1
+"""
+
+
+def test_aiot_run_plots_each_method_beside_chance(tmp_path: Path) -> None:
+    from fedveil.experiments.aiot.runner import load_aiot_run, run_aiot, run_figures
+
+    (tmp_path / "tiny.yaml").write_text(AIOT)
+    run = load_aiot_run(tmp_path / "tiny.yaml")
+    record = run_aiot(run, tmp_path / "run", progress=False)
+    assert_png(tmp_path / "run" / "scores.png")
+    ax = run_figures(run, record["summary"])["scores.png"].axes[0]
+    colours = method_colours(["pretrained", "ours"])
+    bars = [(c.get_label(), c.patches[0]) for c in ax.containers if isinstance(c, BarContainer)]
+    assert {label for label, _ in bars} == {"pretrained", "ours"} and len(bars) == 6  # 3 scores x 2 methods
+    assert all(to_hex(bar.get_facecolor()) == colours[label] for label, bar in bars)
+    means = sorted(bar.get_height() for label, bar in bars if label == "ours")
+    ours = record["summary"]["ours"]
+    keys = ("tar_at_far_1e-3", "tar_at_far_1e-4", "identification_accuracy")
+    assert means == sorted(ours[k]["mean"] for k in keys)
+    chance = [line for line in ax.get_lines() if line.get_label() in ("chance", "_chance")]
+    assert sorted(line.get_ydata()[0] for line in chance) == pytest.approx([1e-4, 1e-3, 1 / 5])

@@ -125,6 +125,52 @@ def series_figure(
     return fig
 
 
+def bars_figure(
+    values: Mapping[str, Mapping[str, tuple[float, float]]],
+    *,
+    title: str,
+    ylabel: str,
+    colours: Mapping[str, str] | None = None,
+    chance: Mapping[str, float] | None = None,
+    ylim: tuple[float, float] | None = None,
+) -> Figure:
+    """Grouped bars: one group per key of ``values`` (e.g. a metric), in it one bar per method at
+    ``values[group][method] = (mean, spread)`` with an error bar of +- ``spread`` (e.g. the standard
+    deviation over trials), each method in its ``colours`` entry (default:
+    :func:`~fedveil.eval.plots.method_colours` in order of appearance). ``chance[group]`` draws a dashed
+    grey segment across that group's bars: what a model that learned nothing scores there."""
+    methods = list(dict.fromkeys(m for row in values.values() for m in row))
+    colours = colours if colours is not None else method_colours(methods)
+    fig = Figure(figsize=(max(6.4, 1.6 * len(values) * max(1, len(methods)) / 3), 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / max(1, len(methods))
+    for g, row in enumerate(values.values()):
+        for m, method in enumerate(methods):
+            if method in row:
+                mean, spread = row[method]
+                x = g - 0.4 + width * (m + 0.5)
+                ax.bar(x, mean, width, yerr=spread, capsize=3, color=colours.get(method), label=method)
+    labelled = False
+    for g, group in enumerate(values):
+        if chance is not None and group in chance:
+            label = "chance" if not labelled else "_chance"
+            ax.plot([g - 0.45, g + 0.45], [chance[group]] * 2, color="grey", linestyle="--", label=label)
+            labelled = True
+    ax.set_xticks(range(len(values)), list(values))
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    if unique:
+        ax.legend(unique.values(), unique.keys(), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def plot_seed_curves(
     curves: Mapping[str, Sequence[Mapping[str, Sequence[tuple[float, float]]]]],
     path: str | Path,

@@ -21,7 +21,8 @@ evaluated by TAR at FAR 1e-3 and 1e-4 on reference-vs-wild pairs of the held-out
 
 Each method runs ``trials`` times (the population and the pre-trained model are fixed; device
 selection, projector initialisation and batch order change with the trial's seed) and is reported as
-mean +- standard deviation, as the paper's tables are. The run resumes (``resume``): the pre-trained
+mean +- standard deviation, as the paper's tables are, and drawn in ``scores.png`` beside chance
+(:func:`run_figures`). The run resumes (``resume``): the pre-trained
 weights (safetensors) and every finished (method, trial) are saved in the output folder as they
 complete; a folder that holds anything is refused otherwise, unless ``overwrite`` clears it first.
 The (method, trial) in training is checkpointed after every round (``checkpoint.npz``,
@@ -48,12 +49,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from fedveil.core.atomic import atomic_write
 from fedveil.core.provenance import code_identity
 from fedveil.data.faces import FaceImages, face_devices, synthetic_faces
 from fedveil.errors import ConfigError, RunInterrupted
+from fedveil.eval.plots import method_colours, save_png
 from fedveil.experiments.aiot.faces_domain import embed_faces, train_faces, verification
 from fedveil.experiments.checkpoint import (
     CHECKPOINT,
@@ -67,6 +70,7 @@ from fedveil.experiments.checkpoint import (
     save_checkpoint,
 )
 from fedveil.experiments.config import load_run_config
+from fedveil.experiments.plots import bars_figure
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.weights import load_weights, save_weights
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
@@ -379,6 +383,36 @@ def summarise(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+SCORE_LABELS = {
+    "tar_at_far_1e-3": "TAR @ FAR 1e-3",
+    "tar_at_far_1e-4": "TAR @ FAR 1e-4",
+    "identification_accuracy": "identification accuracy (Eq. 5)",
+}
+"""The scores of Tables 1-2 as the plots name them."""
+
+
+def run_figures(run: AiotRun, summary: dict[str, dict[str, Any]]) -> dict[str, Figure]:
+    """``scores.png``: each method's mean TAR at FAR 1e-3 and 1e-4 and identification accuracy with
+    +- their standard deviation over trials (:func:`summarise`'s ``summary``), each method in its
+    colour, beside chance: a scorer that knows nothing accepts impostors and genuine pairs alike
+    (TAR = FAR) and names one of the ``test_identities`` at random (``1 / test_identities``). The runner
+    records scores only after each (method, trial), not per round, so there is no fine-tuning curve."""
+    values = {
+        label: {m: (row[key]["mean"], row[key]["std"]) for m, row in summary.items()}
+        for key, label in SCORE_LABELS.items()
+    }
+    chance = dict(zip(SCORE_LABELS.values(), (1e-3, 1e-4, 1.0 / run.test_identities), strict=True))
+    fig = bars_figure(
+        values,
+        title=f"{run.name}: AIoT Tables 1-2 on held-out identities (mean ± std over trials)",
+        ylabel="score",
+        colours=method_colours(summary),
+        chance=chance,
+        ylim=(0.0, 1.02),
+    )
+    return {"scores.png": fig}
+
+
 def _write_json(path: Path, value: Any) -> None:
     atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 
@@ -498,4 +532,6 @@ def run_aiot(
     record["seconds_this_session"] = time.perf_counter() - start
     record["summary"] = summarise(results)
     _write_json(path, record)
+    for file, fig in run_figures(run, record["summary"]).items():
+        save_png(fig, out / file)
     return record
