@@ -4,6 +4,10 @@
   Laplace mechanism at ``--delta``, in the spirit of TF-Privacy's ``compute_dp_sgd_privacy``.
 - ``fedveil privacy fdml``: FDML Alg. 2 over a whole training: the Laplace scale ``b``, Thm V.1's
   per-round epsilon and what it composes to, next to the strict analysis (docs/privacy.md).
+- ``fedveil privacy audit``: a canary audit of a DP mechanism as implemented (``gaussian``: FedAvg's
+  ``ClipAndNoise``; ``fdml``: FDML Alg. 2; ``polifl``: PoliFL's central noise): the one-run epsilon lower
+  bound of Steinke, Nasr and Jagielski (NeurIPS 2023) beside the accountant's epsilon
+  (:mod:`fedveil.attacks.dp_audit`); ``--broken`` audits a deliberately miscalibrated run.
 """
 
 from __future__ import annotations
@@ -14,13 +18,13 @@ from typing import Any
 
 from fedveil.enclave.dp import MODES as ACCOUNTINGS
 from fedveil.errors import ConfigError
-from fedveil.privacy.names import ACCOUNTANTS, DEFAULT_DELTA, MECHANISMS
+from fedveil.privacy.names import ACCOUNTANTS, AUDITED, BROKEN, DEFAULT_DELTA, MECHANISMS
 
 RDP_ORDER_SETS = ("dp-accounting", "tf-privacy")
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``privacy`` command with its ``epsilon`` and ``fdml`` sub-commands."""
+    """Add the ``privacy`` command with its ``epsilon``, ``fdml`` and ``audit`` sub-commands."""
     p = subparsers.add_parser("privacy", help="privacy accounting: epsilon of DP releases, FDML budgets")
     sub = p.add_subparsers(dest="privacy_command", metavar="SUBCOMMAND", required=True)
 
@@ -81,13 +85,45 @@ def register(subparsers: Any) -> None:
         help="samples of one user the neighbouring relation changes per round (1: sample-level)",
     )
     f.add_argument("--json", action="store_true", help="print one JSON object")
+    _register_audit(sub)
     p.set_defaults(func=run)
+
+
+def _register_audit(sub: Any) -> None:
+    a = sub.add_parser(
+        "audit", help="canary audit: an empirical epsilon lower bound beside the accountant's epsilon"
+    )
+    a.add_argument("--mechanism", choices=AUDITED, required=True)
+    a.add_argument("--canaries", type=int, default=1000, help="canaries, each IN with probability 1/2")
+    a.add_argument("--k-plus", type=int, default=50, help="highest-scoring canaries guessed IN (default 50)")
+    a.add_argument("--k-minus", type=int, default=50, help="lowest-scoring canaries guessed OUT (default 50)")
+    a.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound")
+    a.add_argument("--delta", type=float, default=DEFAULT_DELTA, help=f"default {DEFAULT_DELTA}")
+    a.add_argument("--rounds", type=int, default=1, help="releases audited together (default 1)")
+    a.add_argument("--noise-multiplier", type=float, default=2.0, help="z = sigma / S (gaussian, polifl)")
+    a.add_argument("--clip-norm", type=float, default=1.0, help="clip norm S (gaussian, polifl)")
+    a.add_argument("--fdml-mode", choices=ACCOUNTINGS, default="strict", help="fdml: clipping mode")
+    a.add_argument("--T", dest="bound_T", type=float, default=1.0, help="fdml: clipping bound T")
+    a.add_argument("--noise-b", type=float, default=1.0, help="fdml: Laplace scale b")
+    a.add_argument("--drop-rate", type=float, default=0.0, help="fdml: embedding drop rate r")
+    a.add_argument("--dim", type=int, default=8, help="fdml: derivative dimension d")
+    a.add_argument("--canary-scale", type=float, default=10.0, help="canary update / clip bound (> 1)")
+    a.add_argument(
+        "--broken",
+        choices=BROKEN,
+        default=None,
+        help="audit a deliberately broken run: noise 10x too small, or clipping that never binds",
+    )
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch to the sub-command."""
     if args.privacy_command == "epsilon":
         return run_epsilon(args)
+    if args.privacy_command == "audit":
+        return run_audit(args)
     return run_fdml(args)
 
 
@@ -178,4 +214,48 @@ def run_fdml(args: argparse.Namespace) -> int:
         f"{s['epsilon_round_strict_paper_clipping']:.6g} per round; "
         f"{s['epsilon_total_strict_paper_clipping']:.6g} over the training (PLD)"
     )
+    return 0
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    """Print the audit of one mechanism: the accountant's epsilon and the empirical lower bound."""
+    from fedveil.attacks.dp_audit import audit_mechanism
+
+    report = audit_mechanism(
+        args.mechanism,
+        canaries=args.canaries,
+        k_plus=args.k_plus,
+        k_minus=args.k_minus,
+        confidence=args.confidence,
+        delta=args.delta,
+        rounds=args.rounds,
+        noise_multiplier=args.noise_multiplier,
+        clip_norm=args.clip_norm,
+        fdml_mode=args.fdml_mode,
+        bound_T=args.bound_T,
+        noise_b=args.noise_b,
+        drop_rate=args.drop_rate,
+        dim=args.dim,
+        canary_scale=args.canary_scale,
+        broken=args.broken,
+        seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict()))
+        return 0
+    r = report
+    run = f"deliberately broken ({r.broken})" if r.broken else "as implemented"
+    print(f"audit of {r.mechanism}, {run}: {r.rounds} release(s), seed {r.seed}")
+    print(f"  accountant (upper bound): epsilon = {r.accountant_epsilon:.4g} at delta = {r.delta:g}")
+    print(
+        f"  empirical lower bound:    epsilon >= {r.empirical_epsilon_lower:.4g} with confidence "
+        f"{r.confidence:g} ({r.correct_guesses} of {r.guesses} guesses correct on {r.canaries} canaries; "
+        f"at most {r.max_auditable_epsilon:.4g} with these settings)"
+    )
+    if "paper_epsilon" in r.settings:
+        paper = r.settings["paper_epsilon"]
+        beyond = "below" if r.empirical_epsilon_lower <= paper else "ABOVE"
+        print(f"  FDML Thm V.1's epsilon (the paper's analysis): {paper:.4g}; the lower bound is {beyond} it")
+    verdict = "EXCEEDS the claim: not as private as accounted" if r.exceeds_claim else "within the claim"
+    print(f"  method: {r.method}; lower bound {verdict}")
     return 0

@@ -12,3 +12,9 @@ MECHANISMS = ("gaussian", "laplace")
 
 DEFAULT_DELTA = 1e-5
 """The delta whole-training epsilons are reported at unless a run says otherwise."""
+
+AUDITED = ("gaussian", "fdml", "polifl")
+"""The mechanisms ``fedveil privacy audit`` audits (:mod:`fedveil.attacks.dp_audit`)."""
+
+BROKEN = ("noise", "clip")
+"""The deliberate breakages an audit can run (:class:`fedveil.attacks.dp_audit.Miscalibration`)."""
