@@ -125,15 +125,25 @@ def test_set_seed_and_own_options_reach_the_config(
     assert {key: _get(cfg, key) for key in expected} == expected
 
 
-@pytest.mark.parametrize("system", ["run", "demo", "feduv", "aiot"])
+@pytest.mark.parametrize(
+    ("system", "json"),
+    [("run", False), ("demo", False), ("feduv", False), ("feduv", True), ("aiot", False), ("aiot", True)],
+)
 def test_a_run_on_synthetic_data_says_so_before_it_trains(
-    system: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    system: str,
+    json: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """The banner leads stdout, or goes to stderr where stdout carries JSON."""
     _stub_runner(monkeypatch, system)
     _, words, _, _ = RUN_COMMANDS[system]
     with pytest.raises(_Started):
-        main([*words, "--out", str(tmp_path / "run")])
-    assert f"{STAND_IN}: " in capsys.readouterr().err
+        main([*words, "--out", str(tmp_path / "run"), *(["--json"] if json else [])])
+    printed = capsys.readouterr()
+    assert (printed.err if json else printed.out).startswith(f"{STAND_IN}: ")
+    assert STAND_IN not in (printed.out if json else printed.err)
 
 
 PPFL_TINY = """

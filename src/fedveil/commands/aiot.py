@@ -96,7 +96,8 @@ def _run(args: argparse.Namespace) -> int:
     announce_stand_in(
         f"{cfg.public_identities} public and {cfg.private_identities + cfg.test_identities} private "
         "identities of the synthetic face population (fedveil.data.faces), for MS-Celeb-1M and the "
-        "paper's private faces"
+        "paper's private faces",
+        quiet=args.json,
     )
     record = run_aiot(
         cfg,

@@ -130,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
     )
     out = args.out or Path("runs") / cfg.name
-    announce_stand_in("MNIST-UV drawn from synthetic handwriting (fedveil.data.mnist_uv), for FedUV's EMNIST")
+    announce_stand_in(
+        "MNIST-UV drawn from synthetic handwriting (fedveil.data.mnist_uv), for FedUV's EMNIST",
+        quiet=args.json,
+    )
     results = with_runtime(
         args,
         lambda network: fr.run_feduv(

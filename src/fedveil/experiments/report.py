@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 STAND_IN = "SYNTHETIC STAND-IN"
 """What every run on synthetic data says first (:func:`announce_stand_in`)."""
 
 
-def announce_stand_in(what: str, stream: TextIO | None = None) -> None:
-    """Print the banner of a run on synthetic stand-in data (``what``: which data, from where) to
-    ``stream`` (default stderr, so that ``--json`` output stays JSON), before it trains: its numbers
-    measure the code on made-up data, not the paper's claim."""
+def announce_stand_in(what: str, *, quiet: bool = False) -> None:
+    """Print the banner of a run on synthetic stand-in data (``what``: which data, from where) before it
+    trains: its numbers measure the code on made-up data, not the paper's claim. It leads the run's
+    output on stdout, or goes to stderr for a ``quiet`` run, whose stdout carries only its result
+    (``--json``)."""
     print(
         f"{STAND_IN}: {what} -- not real data; the numbers are no reproduction of the paper's",
-        file=stream or sys.stderr,
+        file=sys.stderr if quiet else sys.stdout,
         flush=True,
     )
 

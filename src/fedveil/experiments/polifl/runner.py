@@ -972,7 +972,7 @@ def run_polifl(
     _claim_run_dir(out, run)
     task = build_task(run)
     if task.stand_in:
-        announce_stand_in(task.stand_in)
+        announce_stand_in(task.stand_in, quiet=not progress)
     chosen = strategies or run.strategies
     results: dict[str, Any] = {
         "name": run.name,

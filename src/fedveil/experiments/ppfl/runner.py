@@ -273,7 +273,7 @@ def run_ppfl(
     _write_json(out / "config.json", config)
     secret = _sealing_secret(out)
     if split.train.synthetic:
-        announce_stand_in(f"{split.train.name}, {split.train.source}")
+        announce_stand_in(f"{split.train.name}, {split.train.source}", quiet=progress is None)
     else:
         say(split.train.describe())
     state: dict[str, Any] = (
