@@ -17,8 +17,8 @@ import pytest
 from fedveil.experiments.checkpoint import SpendLog
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.runner import build_population
-from fedveil.experiments.network_run import PLATFORM_PUB, platform_for
 from fedveil.runtime.network import certs
+from fedveil.runtime.quoting import PLATFORM_PUB, platform_for
 
 CONFIG = """\
 name: net-faults

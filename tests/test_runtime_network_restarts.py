@@ -23,11 +23,11 @@ from fedveil.experiments.checkpoint import CRASH_ENV, load_checkpoint
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.agent import build_agent
 from fedveil.experiments.fdml.runner import build_population, build_trainer
-from fedveil.experiments.network_run import PLATFORM_PUB, platform_for
 from fedveil.protocols.fdml import EmbedRequest
 from fedveil.runtime.network import certs
 from fedveil.runtime.network.agent import RoundSeededPool
 from fedveil.runtime.network.server import NetworkRuntime
+from fedveil.runtime.quoting import PLATFORM_PUB, platform_for
 from test_runtime_network_processes import _free_port, _rounds, _wait_for
 
 ROUNDS = 10

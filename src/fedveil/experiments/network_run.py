@@ -9,8 +9,8 @@ for FDML through the emulated TEE, the enclave measurement it expects, computed 
 server that launches any other enclave fails attestation.
 
 The emulated quoting platform's key lives in the PKI directory (``platform.key``, 0600, the server's
-host only; ``platform.pub``, given to every device to pin). On real SGX hardware that root is the CPU
-vendor's, not a file: docs/tee.md.
+host only; ``platform.pub``, given to every device to pin: :func:`fedveil.runtime.quoting.platform_for`).
+On real SGX hardware that root is the CPU vendor's, not a file: docs/tee.md.
 """
 
 from __future__ import annotations
@@ -18,37 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
 from fedveil.runtime.network import certs
 from fedveil.runtime.network.agent import AgentHost
 from fedveil.runtime.network.server import NetworkRuntime
-from fedveil.runtime.quoting import SimulatedPlatform
+from fedveil.runtime.quoting import SimulatedPlatform, platform_for
 
 log = logging.getLogger(__name__)
-
-PLATFORM_KEY = "platform.key"
-PLATFORM_PUB = "platform.pub"
-
-
-def platform_for(pki: str | Path) -> SimulatedPlatform:
-    """The emulated quoting platform of this deployment: loaded from ``pki/platform.key``, or made
-    there on first use (with ``platform.pub`` beside it for the devices)."""
-    root = Path(pki)
-    key = root / PLATFORM_KEY
-    if key.exists():
-        return SimulatedPlatform.from_private_bytes(key.read_bytes())
-    seed = os.urandom(32)
-    platform = SimulatedPlatform.from_private_bytes(seed)
-    atomic_write(key, seed, mode=0o600)
-    (root / PLATFORM_PUB).write_bytes(platform.public_key)
-    return platform
 
 
 @dataclass

@@ -17,9 +17,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from fedveil.core.atomic import atomic_write
 from fedveil.core.attestation_verify import QuoteBody, encode_quote
 from fedveil.enclave.attestation import REPORT_KEY_BYTES, ReportError, open_report
 from fedveil.enclave.channel import unpack_frame
@@ -87,3 +89,21 @@ class SimulatedPlatform:
         measurement, report_key = self._launches[launch_id]
         body = QuoteBody(measurement, open_report(report_key, report), simulated=True).encode()
         return encode_quote(body, self._signing_key.sign(body))
+
+
+PLATFORM_KEY = "platform.key"
+PLATFORM_PUB = "platform.pub"
+
+
+def platform_for(pki: str | Path) -> SimulatedPlatform:
+    """The emulated quoting platform of this deployment: loaded from ``pki/platform.key``, or made
+    there on first use (with ``platform.pub`` beside it for the devices)."""
+    root = Path(pki)
+    key = root / PLATFORM_KEY
+    if key.exists():
+        return SimulatedPlatform.from_private_bytes(key.read_bytes())
+    seed = os.urandom(32)
+    platform = SimulatedPlatform.from_private_bytes(seed)
+    atomic_write(key, seed, mode=0o600)
+    (root / PLATFORM_PUB).write_bytes(platform.public_key)
+    return platform

@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ from fedveil.experiments.checkpoint import (
 )
 from fedveil.experiments.config import ExperimentConfig, config_to_dict
 from fedveil.experiments.fdml.figures import write_run_plots
-from fedveil.experiments.fdml.privacy_setup import plan_privacy
+from fedveil.experiments.fdml.privacy_setup import PrivacyPlan, plan_privacy
 from fedveil.experiments.plots import plot_round_timing, summarise_timings
 from fedveil.models.faces import ResNet34Embedding
 from fedveil.models.flat import FlatModel
@@ -376,6 +376,421 @@ def _rewrite_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
     return kept
 
 
+@dataclass
+class _Setup:
+    """A run directory made ready to train in (:func:`_prepare_run`).
+
+    ``out`` is the directory, ``digest`` the resolved config's, ``resume`` as asked, ``previous`` the
+    checkpoint a resumed run continues from, ``population`` the users, ``privacy`` the DP plan (None
+    without DP) and ``spend`` its durable spend log. ``start`` is the first round after the checkpoint,
+    ``lost`` the rounds from ``start`` on whose DP release was paid for before a crash (recorded, never
+    run again under their number), and ``first_round`` the first round this process trains."""
+
+    out: Path
+    digest: str
+    resume: bool
+    previous: Checkpoint | None
+    population: Any
+    privacy: PrivacyPlan | None
+    spend: SpendLog
+    start: int
+    lost: list[int]
+    first_round: int
+
+
+@dataclass
+class _Record:
+    """What a run has recorded: its past (a resumed run's kept lines, :func:`_read_past`), then each
+    round this process trains. ``losses`` by round (the final loss), the ``totals`` summed into the
+    results, the rounds ``evaluated``, the rounds the past held (``resumed_rounds``: this process's
+    rounds per second count the others), the latest evaluation's ``metrics`` and ``roc``, why the run
+    ``stopped`` early (a DP target), and the last round's device timings (``last_timing``)."""
+
+    losses: list[tuple[int, float]]
+    totals: dict[str, Any]
+    evaluated: set[int]
+    resumed_rounds: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+    roc: Any = None
+    stopped: str | None = None
+    last_timing: dict[str, Any] = field(default_factory=dict)
+
+
+def _prepare_run(
+    cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool, overwrite: bool, population: Any
+) -> _Setup:
+    """Step 1: the run directory (:func:`~fedveil.experiments.checkpoint.prepare_run_dir`), the checkpoint
+    a resumed run continues from (refused under another config), the population, the DP plan (a plan
+    it refuses leaves the directory as it was), the resolved ``config.yaml``, and the DP spend log
+    (cleared for a new run) that says which rounds were paid for and restores the ledger from them."""
+    out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
+    resolved = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    digest = config_digest(resolved)
+    previous = load_checkpoint(out) if resume else None
+    if resume and (out / "config.yaml").exists() and (out / "config.yaml").read_text("utf-8") != resolved:
+        raise ConfigError(
+            f"{out / 'config.yaml'} holds another config than this one: resume with the same config, "
+            "or choose another --out"
+        )
+    if previous is not None:
+        check_checkpoint_identity(out, previous, digest)
+    population = population if population is not None else build_population(cfg)
+    privacy = plan_privacy(cfg, population, EMBEDDING_DIM)
+    atomic_write(out / "config.yaml", resolved.encode("utf-8"))
+    spend = SpendLog(out)
+    if not resume:
+        spend.reset()
+    paid = spend.rounds()
+    start = previous.round + 1 if previous else 1
+    lost = sorted(r for r in set(paid) if r >= start)
+    if privacy:
+        privacy.ledger.restore(len(paid))
+    first_round = max([start - 1, *paid]) + 1
+    return _Setup(out, digest, resume, previous, population, privacy, spend, start, lost, first_round)
+
+
+def _start_trainer(cfg: ExperimentConfig, setup: _Setup, *, network: Any, ray: RayPlan | None) -> Trainer:
+    """Step 2: the server, its runtime (``network``'s, Ray's or the in-process simulation's) and, for a
+    resumed run, the checkpoint's state: the server's weights and optimizer, and in simulation the
+    clients' and the runtime's generators. Each DP release is paid for (spend log, then ledger) before
+    it happens. A resumed simulation draws fresh DP noise: replaying the stream of round 1 would
+    correlate releases."""
+    dp_seed = None
+    if network is None and setup.first_round > 1:
+        dp_seed = int(np.random.SeedSequence([cfg.seed, setup.first_round]).generate_state(1)[0])
+    runtime, platform = (
+        network.make_runtime(
+            setup.out, max_message_bytes=cfg.runtime.max_message_bytes, attested=uses_enclave(cfg)
+        )
+        if network is not None
+        else (None, None)
+    )
+    privacy = setup.privacy
+    trainer = build_trainer(
+        cfg,
+        setup.population,
+        privacy.release if privacy else None,
+        runtime=runtime,
+        platform=platform,
+        dp_seed=dp_seed,
+        ray=ray,
+    )
+    previous = setup.previous
+    if previous is not None:
+        trainer.server.load_state_dict(previous.arrays, previous.meta["server"])
+        if trainer.pool is not None:
+            restore_pool_rngs(trainer.pool, previous.meta.get("pool", {}))
+            trainer.runtime.rng.bit_generator.state = previous.meta["runtime_rng"]
+    if privacy:
+
+        def pay(rnd: int) -> None:
+            setup.spend.record(rnd)
+            privacy.ledger.record_round()
+
+        trainer.server.before_release = pay
+    return trainer
+
+
+def _read_past(setup: _Setup) -> _Record:
+    """Step 3: a resumed run keeps the ``metrics.jsonl`` and ``devices.jsonl`` lines of the rounds up to
+    its checkpoint and counts them into the totals; a new run starts with none."""
+    history = _rewrite_metrics(setup.out / "metrics.jsonl", setup.start - 1) if setup.resume else []
+    if setup.resume:
+        _rewrite_metrics(setup.out / "devices.jsonl", setup.start - 1)
+    losses: list[tuple[int, float]] = [
+        (h["round"], float(h["loss"])) for h in history if "round" in h and h.get("loss") is not None
+    ]
+    totals = {"bytes_up": 0, "bytes_down": 0, "sim_seconds": 0.0, "dropouts": 0, "applied": 0, "rounds": 0}
+    for h in history:
+        if "round" in h and "applied" in h:
+            for key in ("bytes_up", "bytes_down", "sim_seconds", "dropouts"):
+                totals[key] += h.get(key, 0)
+            totals["applied"] += int(bool(h["applied"]))
+            totals["rounds"] += 1
+    evaluated = {h["eval"]["round"] for h in history if "eval" in h}
+    return _Record(losses, totals, evaluated, resumed_rounds=totals["rounds"])
+
+
+class _RoundLoop:
+    """Step 4, the training: the rounds from ``setup.first_round`` to ``cfg.rounds``, each one's metrics
+    line fsynced to ``fh`` (its device timings to ``dh``), then its checkpoint, then a scheduled
+    evaluation (:meth:`train`); over a ``network``, between the devices' start and stop (:meth:`run`).
+    ``stop`` ends the run at a round's end after a Ctrl-C."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        setup: _Setup,
+        trainer: Trainer,
+        record: _Record,
+        *,
+        network: Any,
+        progress: bool,
+        stop: StopAtRoundEnd,
+        fh: Any,
+        dh: Any,
+    ) -> None:
+        self.cfg, self.setup, self.trainer, self.record = cfg, setup, trainer, record
+        self.network, self.progress, self.stop, self.fh, self.dh = network, progress, stop, fh, dh
+
+    def scheduled(self, rnd: int) -> bool:
+        """Whether round ``rnd`` is followed by an evaluation (``eval.every``, and the last round)."""
+        every = self.cfg.eval.every
+        return bool(every and rnd % every == 0) or rnd == self.cfg.rounds
+
+    def _evaluate_at(self, rnd: int) -> tuple[dict[str, Any], Any]:
+        result = evaluate(self.trainer, self.setup.population, self.cfg.eval.seed)
+        crash_point("eval", rnd)
+        return result
+
+    async def evaluation(self, rnd: int) -> None:
+        """Evaluate the weights after round ``rnd``; write its line unless the run's past holds it."""
+        record = self.record
+        record.metrics, record.roc = await asyncio.to_thread(self._evaluate_at, rnd)
+        if rnd not in record.evaluated:
+            record.evaluated.add(rnd)
+            _json_line(self.fh, {"eval": {"round": rnd, **record.metrics}})
+
+    def save(self, rnd: int) -> None:
+        """Checkpoint the server (and in simulation the clients' and the runtime's generators) after
+        round ``rnd``, under the config's digest."""
+        trainer = self.trainer
+        arrays, meta = trainer.server.state_dict()
+        extra: dict[str, Any] = {"server": meta, "config_sha256": self.setup.digest}
+        if trainer.pool is not None:
+            extra["pool"] = pool_rng_states(trainer.pool)
+            extra["runtime_rng"] = trainer.runtime.rng.bit_generator.state
+        save_checkpoint(self.setup.out, Checkpoint(rnd, arrays, extra))
+
+    async def begin(self) -> None:
+        """Start the devices (over a network: the agents, with the command that builds them), register
+        them, record the rounds lost to a crash after their DP payment, and run the evaluation of the
+        checkpoint's round that a crash cut off."""
+        cfg, setup, trainer = self.cfg, self.setup, self.trainer
+        if self.network is not None:
+            ids = list(setup.population.train_user_ids())
+            command = ["agent", "--config", str(setup.out / "config.yaml")]
+            if uses_enclave(cfg):
+                from fedveil.runtime.quoting import PLATFORM_PUB
+
+                command += ["--platform-key", str(trainer.runtime.pki / PLATFORM_PUB)]
+            await self.network.start(trainer.runtime, ids, setup.out, command)
+        await trainer.server.register(trainer.runtime)
+        trainer.runtime.stats().timings.clear()  # per-round device records start with round 1
+        for rnd in setup.lost:
+            _json_line(
+                self.fh,
+                {
+                    "round": rnd,
+                    "applied": False,
+                    "interrupted": True,
+                    "dropouts": 0,
+                    "bytes_up": 0,
+                    "bytes_down": 0,
+                    "sim_seconds": 0.0,
+                    "note": "DP release paid before a crash; not applied",
+                },
+            )
+            self.record.totals["rounds"] += 1
+        previous = setup.previous
+        if (
+            previous is not None
+            and self.scheduled(previous.round)
+            and previous.round not in self.record.evaluated
+        ):
+            await self.evaluation(previous.round)  # cut off by a crash after the round's checkpoint
+
+    def over_budget(self, rnd: int) -> str | None:
+        """Why round ``rnd`` must not run (it would take the whole-training epsilon past the DP target),
+        or None."""
+        privacy = self.setup.privacy
+        if (
+            privacy
+            and privacy.target_epsilon is not None
+            and privacy.ledger.would_exceed(privacy.target_epsilon)
+        ):
+            return (
+                f"stopped before round {rnd}: it would take the whole-training epsilon past the target "
+                f"{privacy.target_epsilon} at delta {privacy.ledger.delta} "
+                f"({privacy.ledger.guard} accounting)"
+            )
+        return None
+
+    async def round(self, rnd: int) -> Any:
+        """Round ``rnd``: its metrics line (with the DP ledger and device timings), fsynced, then its
+        checkpoint; returns the server's report."""
+        trainer, record, privacy = self.trainer, self.record, self.setup.privacy
+        if self.network is not None:
+            from fedveil.experiments.network_run import admit_joined
+
+            # devices that joined or reconnected (a restarted agent) register and attest afresh
+            await admit_joined(trainer.server, trainer.runtime)
+        t0 = time.perf_counter()
+        crash_point("round", rnd)
+        report = await trainer.server.run_round(rnd, trainer.runtime)
+        line = report.as_dict()
+        if privacy:
+            line.update({f"privacy_{k}": v for k, v in privacy.ledger.report().items()})
+        line["real_seconds"] = time.perf_counter() - t0
+        stats = trainer.runtime.stats()
+        if stats.timings:
+            line.update(summarise_timings(stats.timings))
+            record.last_timing.update(round=rnd, devices=[asdict(t) for t in stats.timings])
+            stats.timings.clear()
+            _json_line(self.dh, record.last_timing)
+        _json_line(self.fh, line)
+        crash_point("metrics", rnd)
+        self.save(rnd)
+        for key in ("bytes_up", "bytes_down", "sim_seconds", "dropouts"):
+            record.totals[key] += line[key]
+        record.totals["applied"] += int(report.applied)
+        record.totals["rounds"] += 1
+        if report.loss is not None:
+            record.losses.append((rnd, float(report.loss)))
+        return report
+
+    async def train(self) -> None:
+        """The rounds, each followed by its scheduled evaluation; a run stopped by its DP target, and
+        one whose last evaluation did not run, evaluate the last round trained."""
+        cfg, first, record = self.cfg, self.setup.first_round, self.record
+        await self.begin()
+        bar = tqdm(
+            range(first, cfg.rounds + 1),
+            desc=cfg.name,
+            unit="round",
+            disable=not self.progress,
+            leave=True,
+            initial=first - 1,
+            total=cfg.rounds,
+        )
+        last = first - 1
+        for rnd in bar:
+            stopped = self.over_budget(rnd)
+            if stopped:
+                record.stopped = stopped
+                _json_line(self.fh, {"stopped": stopped})
+                await self.evaluation(rnd - 1)
+                break
+            report = await self.round(rnd)
+            last = rnd
+            bar.set_postfix(
+                loss=f"{report.loss:.4f}" if report.loss is not None else "-",
+                dropouts=record.totals["dropouts"],
+                refresh=False,
+            )
+            if self.scheduled(rnd):
+                await self.evaluation(rnd)
+            if rnd < cfg.rounds:
+                self.stop.check()
+        if not record.metrics:
+            await self.evaluation(last)
+
+    async def run(self) -> None:
+        """:meth:`train`; over a network, SIGTERM (a service manager stopping the server) unwinds like
+        Ctrl-C, and the agents are told training is over (local agent processes are stopped) whatever
+        ends it; the last checkpoint stays for ``--resume``. Signals reach only the main thread: a run
+        inside a Flower ServerApp thread leaves them to Flower."""
+        if self.network is None:
+            await self.train()
+            return
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main:
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            await self.train()
+        finally:
+            if on_main:
+                loop.remove_signal_handler(signal.SIGTERM)
+            await self.network.stop(self.trainer.runtime)
+
+
+def _train(
+    cfg: ExperimentConfig, setup: _Setup, trainer: Trainer, record: _Record, *, network: Any, progress: bool
+) -> None:
+    """Step 4: run the :class:`_RoundLoop` with ``metrics.jsonl`` and ``devices.jsonl`` open (appended to
+    when resuming) and Ctrl-C deferred to a round's end; an interruption becomes
+    :class:`~fedveil.errors.RunInterrupted` naming the last checkpoint. The enclave is shut down
+    whatever happens."""
+    out = setup.out
+    stop = StopAtRoundEnd(f"run {cfg.name!r}")
+    try:
+        mode = "a" if setup.resume else "w"
+        with (
+            open(out / "metrics.jsonl", mode, encoding="utf-8") as fh,
+            open(out / "devices.jsonl", mode, encoding="utf-8") as dh,
+            stop,
+        ):
+            loop = _RoundLoop(
+                cfg, setup, trainer, record, network=network, progress=progress, stop=stop, fh=fh, dh=dh
+            )
+            asyncio.run(loop.run())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        ckpt = load_checkpoint(out)
+        done = f"after round {ckpt.round}, whose checkpoint is" if ckpt else "before its first checkpoint,"
+        raise RunInterrupted(f"run {cfg.name!r} interrupted {done} in {out}") from None
+    finally:
+        trainer.close()
+
+
+def _write_results(
+    cfg: ExperimentConfig,
+    setup: _Setup,
+    record: _Record,
+    *,
+    real_seconds: float,
+    network: Any,
+    ray: RayPlan | None,
+) -> dict[str, Any]:
+    """Step 5: ``results.json`` (the last evaluation, the untrained network's accuracy, the totals, the
+    code that ran, the DP spend) and the plots; returns the results."""
+    out, totals, privacy = setup.out, record.totals, setup.privacy
+    untrained = untrained_accuracy(cfg, setup.population)
+    results = {
+        "name": cfg.name,
+        "protocol": cfg.protocol,
+        "seed": cfg.seed,
+        "runtime": getattr(network, "name", "network")
+        if network is not None
+        else ("ray" if ray is not None else "simulation"),
+        "rounds": totals["rounds"],
+        "rounds_applied": totals["applied"],
+        **record.metrics,
+        "untrained_accuracy_percent": untrained,
+        "final_loss": record.losses[-1][1] if record.losses else None,
+        "bytes_up": totals["bytes_up"],
+        "bytes_down": totals["bytes_down"],
+        "dropouts": totals["dropouts"],
+        "sim_seconds": totals["sim_seconds"],
+        "real_seconds": real_seconds,
+        "rounds_per_second": (totals["rounds"] - record.resumed_rounds) / real_seconds
+        if real_seconds > 0
+        else math.inf,
+    }
+    results["code"] = code_identity()
+    if setup.resume and setup.previous is not None:
+        results["resumed_after_round"] = setup.previous.round
+    if privacy:
+        results["privacy"] = {
+            **privacy.summary,
+            **privacy.ledger.report(),
+            "rounds_paid": len(setup.spend.rounds()),
+        }
+    if record.stopped:
+        results["stopped"] = record.stopped
+    (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if record.last_timing:
+        plot_round_timing(
+            record.last_timing["devices"],
+            out / "round_timing.png",
+            title=f"{cfg.name}: round {record.last_timing['round']}",
+        )
+    write_run_plots(out, cfg.name, roc=record.roc, untrained_percent=untrained)
+    return results
+
+
 def run_experiment(
     cfg: ExperimentConfig,
     out_dir: str | Path,
@@ -405,272 +820,10 @@ def run_experiment(
         raise ConfigError("a run goes over the network or on Ray, not both")
     torch.set_num_threads(cfg.runtime.threads)
     retain_freed_memory()
-    out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
-    resolved = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-    digest = config_digest(resolved)
-    previous = load_checkpoint(out) if resume else None
-    if resume and (out / "config.yaml").exists() and (out / "config.yaml").read_text("utf-8") != resolved:
-        raise ConfigError(
-            f"{out / 'config.yaml'} holds another config than this one: resume with the same config, "
-            "or choose another --out"
-        )
-    if previous is not None:
-        check_checkpoint_identity(out, previous, digest)
-    population = population if population is not None else build_population(cfg)
-    privacy = plan_privacy(cfg, population, EMBEDDING_DIM)  # a plan it refuses leaves the directory as it was
-    atomic_write(out / "config.yaml", resolved.encode("utf-8"))
-    spend = SpendLog(out)
-    if not resume:
-        spend.reset()
-    paid = spend.rounds()
-    start = previous.round + 1 if previous else 1
-    lost = sorted(r for r in set(paid) if r >= start)
-    if privacy:
-        privacy.ledger.restore(len(paid))
-    first_round = max([start - 1, *paid]) + 1
-    dp_seed = None
-    if network is None and first_round > 1:
-        # a resumed simulation draws fresh DP noise: replaying the stream of round 1 would correlate releases
-        dp_seed = int(np.random.SeedSequence([cfg.seed, first_round]).generate_state(1)[0])
-    runtime, platform = (
-        network.make_runtime(out, max_message_bytes=cfg.runtime.max_message_bytes, attested=uses_enclave(cfg))
-        if network is not None
-        else (None, None)
-    )
-    trainer = build_trainer(
-        cfg,
-        population,
-        privacy.release if privacy else None,
-        runtime=runtime,
-        platform=platform,
-        dp_seed=dp_seed,
-        ray=ray,
-    )
-    if previous is not None:
-        trainer.server.load_state_dict(previous.arrays, previous.meta["server"])
-        if trainer.pool is not None:
-            restore_pool_rngs(trainer.pool, previous.meta.get("pool", {}))
-            trainer.runtime.rng.bit_generator.state = previous.meta["runtime_rng"]
-    if privacy:
-
-        def pay(rnd: int) -> None:
-            spend.record(rnd)
-            privacy.ledger.record_round()
-
-        trainer.server.before_release = pay
-    history = _rewrite_metrics(out / "metrics.jsonl", start - 1) if resume else []
-    if resume:
-        _rewrite_metrics(out / "devices.jsonl", start - 1)
-    losses: list[tuple[int, float]] = [
-        (h["round"], float(h["loss"])) for h in history if "round" in h and h.get("loss") is not None
-    ]
-    totals = {"bytes_up": 0, "bytes_down": 0, "sim_seconds": 0.0, "dropouts": 0, "applied": 0, "rounds": 0}
-    for h in history:
-        if "round" in h and "applied" in h:
-            for key in ("bytes_up", "bytes_down", "sim_seconds", "dropouts"):
-                totals[key] += h.get(key, 0)
-            totals["applied"] += int(bool(h["applied"]))
-            totals["rounds"] += 1
-    resumed_rounds = totals["rounds"]  # this process trains the rest (its rounds per second)
+    setup = _prepare_run(cfg, out_dir, resume=resume, overwrite=overwrite, population=population)
+    trainer = _start_trainer(cfg, setup, network=network, ray=ray)
+    record = _read_past(setup)
     started = time.perf_counter()
-    metrics: dict[str, Any] = {}
-    roc = None
-    stopped: str | None = None
-    last_timing: dict[str, Any] = {}
-
-    def save(rnd: int) -> None:
-        arrays, meta = trainer.server.state_dict()
-        extra: dict[str, Any] = {"server": meta, "config_sha256": digest}
-        if trainer.pool is not None:
-            extra["pool"] = pool_rng_states(trainer.pool)
-            extra["runtime_rng"] = trainer.runtime.rng.bit_generator.state
-        save_checkpoint(out, Checkpoint(rnd, arrays, extra))
-
-    evaluated = {h["eval"]["round"] for h in history if "eval" in h}
-    stop = StopAtRoundEnd(f"run {cfg.name!r}")
-
-    def scheduled(rnd: int) -> bool:
-        """Whether round ``rnd`` is followed by an evaluation (``eval.every``, and the last round)."""
-        return bool(cfg.eval.every and rnd % cfg.eval.every == 0) or rnd == cfg.rounds
-
-    def evaluate_at(rnd: int) -> tuple[dict[str, Any], Any]:
-        result = evaluate(trainer, population, cfg.eval.seed)
-        crash_point("eval", rnd)
-        return result
-
-    async def evaluation(fh: Any, rnd: int) -> None:
-        """Evaluate the weights after round ``rnd``; write its line unless the run's past holds it."""
-        nonlocal metrics, roc
-        metrics, roc = await asyncio.to_thread(evaluate_at, rnd)
-        if rnd not in evaluated:
-            evaluated.add(rnd)
-            _json_line(fh, {"eval": {"round": rnd, **metrics}})
-
-    async def train(fh: Any, dh: Any) -> None:
-        nonlocal stopped
-        if network is not None:
-            from fedveil.experiments.network_run import admit_joined
-
-            ids = list(population.train_user_ids())
-            command = ["agent", "--config", str(out / "config.yaml")]
-            if uses_enclave(cfg):
-                from fedveil.experiments.network_run import PLATFORM_PUB
-
-                command += ["--platform-key", str(trainer.runtime.pki / PLATFORM_PUB)]
-            await network.start(trainer.runtime, ids, out, command)
-        await trainer.server.register(trainer.runtime)
-        trainer.runtime.stats().timings.clear()  # per-round device records start with round 1
-        for rnd in lost:
-            _json_line(
-                fh,
-                {
-                    "round": rnd,
-                    "applied": False,
-                    "interrupted": True,
-                    "dropouts": 0,
-                    "bytes_up": 0,
-                    "bytes_down": 0,
-                    "sim_seconds": 0.0,
-                    "note": "DP release paid before a crash; not applied",
-                },
-            )
-            totals["rounds"] += 1
-        if previous is not None and scheduled(previous.round) and previous.round not in evaluated:
-            await evaluation(fh, previous.round)  # cut off by a crash after the round's checkpoint
-        bar = tqdm(
-            range(first_round, cfg.rounds + 1),
-            desc=cfg.name,
-            unit="round",
-            disable=not progress,
-            leave=True,
-            initial=first_round - 1,
-            total=cfg.rounds,
-        )
-        last = first_round - 1
-        for rnd in bar:
-            if (
-                privacy
-                and privacy.target_epsilon is not None
-                and privacy.ledger.would_exceed(privacy.target_epsilon)
-            ):
-                stopped = (
-                    f"stopped before round {rnd}: it would take the whole-training epsilon past the target "
-                    f"{privacy.target_epsilon} at delta {privacy.ledger.delta} "
-                    f"({privacy.ledger.guard} accounting)"
-                )
-                _json_line(fh, {"stopped": stopped})
-                await evaluation(fh, rnd - 1)
-                break
-            if network is not None:
-                # devices that joined or reconnected (a restarted agent) register and attest afresh
-                await admit_joined(trainer.server, trainer.runtime)
-            t0 = time.perf_counter()
-            crash_point("round", rnd)
-            report = await trainer.server.run_round(rnd, trainer.runtime)
-            line = report.as_dict()
-            if privacy:
-                line.update({f"privacy_{k}": v for k, v in privacy.ledger.report().items()})
-            line["real_seconds"] = time.perf_counter() - t0
-            stats = trainer.runtime.stats()
-            if stats.timings:
-                line.update(summarise_timings(stats.timings))
-                last_timing.update(round=rnd, devices=[asdict(t) for t in stats.timings])
-                stats.timings.clear()
-                _json_line(dh, last_timing)
-            _json_line(fh, line)
-            crash_point("metrics", rnd)
-            save(rnd)
-            last = rnd
-            for key in ("bytes_up", "bytes_down", "sim_seconds", "dropouts"):
-                totals[key] += line[key]
-            totals["applied"] += int(report.applied)
-            totals["rounds"] += 1
-            if report.loss is not None:
-                losses.append((rnd, float(report.loss)))
-            bar.set_postfix(
-                loss=f"{report.loss:.4f}" if report.loss is not None else "-",
-                dropouts=totals["dropouts"],
-                refresh=False,
-            )
-            if scheduled(rnd):
-                await evaluation(fh, rnd)
-            if rnd < cfg.rounds:
-                stop.check()
-        if not metrics:
-            await evaluation(fh, last)
-
-    async def main(fh: Any, dh: Any) -> None:
-        if network is None:
-            await train(fh, dh)
-            return
-        # SIGTERM (a service manager stopping the server) unwinds like Ctrl-C: agents are told training
-        # is over and local agent processes are stopped; the last checkpoint stays for --resume
-        # (signals reach only the main thread: a run inside a Flower ServerApp thread leaves them to Flower)
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        assert task is not None
-        on_main = threading.current_thread() is threading.main_thread()
-        if on_main:
-            loop.add_signal_handler(signal.SIGTERM, task.cancel)
-        try:
-            await train(fh, dh)
-        finally:
-            if on_main:
-                loop.remove_signal_handler(signal.SIGTERM)
-            await network.stop(trainer.runtime)
-
-    try:
-        mode = "a" if resume else "w"
-        with (
-            open(out / "metrics.jsonl", mode, encoding="utf-8") as fh,
-            open(out / "devices.jsonl", mode, encoding="utf-8") as dh,
-            stop,
-        ):
-            asyncio.run(main(fh, dh))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        ckpt = load_checkpoint(out)
-        done = f"after round {ckpt.round}, whose checkpoint is" if ckpt else "before its first checkpoint,"
-        raise RunInterrupted(f"run {cfg.name!r} interrupted {done} in {out}") from None
-    finally:
-        trainer.close()
-    real = time.perf_counter() - started
-    untrained = untrained_accuracy(cfg, population)
-    results = {
-        "name": cfg.name,
-        "protocol": cfg.protocol,
-        "seed": cfg.seed,
-        "runtime": getattr(network, "name", "network")
-        if network is not None
-        else ("ray" if ray is not None else "simulation"),
-        "rounds": totals["rounds"],
-        "rounds_applied": totals["applied"],
-        **metrics,
-        "untrained_accuracy_percent": untrained,
-        "final_loss": losses[-1][1] if losses else None,
-        "bytes_up": totals["bytes_up"],
-        "bytes_down": totals["bytes_down"],
-        "dropouts": totals["dropouts"],
-        "sim_seconds": totals["sim_seconds"],
-        "real_seconds": real,
-        "rounds_per_second": (totals["rounds"] - resumed_rounds) / real if real > 0 else math.inf,
-    }
-    results["code"] = code_identity()
-    if resume and previous is not None:
-        results["resumed_after_round"] = previous.round
-    if privacy:
-        results["privacy"] = {
-            **privacy.summary,
-            **privacy.ledger.report(),
-            "rounds_paid": len(spend.rounds()),
-        }
-    if stopped:
-        results["stopped"] = stopped
-    (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    if last_timing:
-        plot_round_timing(
-            last_timing["devices"],
-            out / "round_timing.png",
-            title=f"{cfg.name}: round {last_timing['round']}",
-        )
-    write_run_plots(out, cfg.name, roc=roc, untrained_percent=untrained)
-    return results
+    _train(cfg, setup, trainer, record, network=network, progress=progress)
+    real_seconds = time.perf_counter() - started
+    return _write_results(cfg, setup, record, real_seconds=real_seconds, network=network, ray=ray)
