@@ -245,3 +245,16 @@ def test_aiot_run_plots_each_method_beside_chance(tmp_path: Path) -> None:
     assert means == sorted(ours[k]["mean"] for k in keys)
     chance = [line for line in ax.get_lines() if line.get_label() in ("chance", "_chance")]
     assert sorted(line.get_ydata()[0] for line in chance) == pytest.approx([1e-4, 1e-3, 1 / 5])
+
+
+def test_seed_curves_keep_a_cells_colour_in_every_panel() -> None:
+    from fedveil.experiments.plots import seed_curves_figure
+
+    curves = {
+        "no accuracy": [{"loss": [(1, 1.0), (2, 0.5)]}],
+        "both": [{"loss": [(1, 0.9), (2, 0.4)], "accuracy": [(2, 60.0)]}],
+    }
+    fig = seed_curves_figure(curves, title="t", panels=[("loss", "loss"), ("accuracy", "%")])
+    in_loss = {line.get_label(): to_hex(line.get_color()) for line in fig.axes[0].get_lines()}
+    in_accuracy = {line.get_label(): to_hex(line.get_color()) for line in fig.axes[1].get_lines()}
+    assert in_accuracy["both (1 run)"] == in_loss["both (1 run)"] == method_colours(curves)["both"]

@@ -178,10 +178,22 @@ def plot_seed_curves(
     title: str,
     panels: Sequence[tuple[str, str]],
 ) -> Path:
+    """Draw :func:`seed_curves_figure` and write it as a PNG to ``path``."""
+    return save_png(seed_curves_figure(curves, title=title, panels=panels), path)
+
+
+def seed_curves_figure(
+    curves: Mapping[str, Sequence[Mapping[str, Sequence[tuple[float, float]]]]],
+    *,
+    title: str,
+    panels: Sequence[tuple[str, str]],
+) -> Figure:
     """One panel per ``(key, ylabel)`` of ``panels``; in each, one line per named cell of ``curves``: the
     mean over that cell's runs (seeds) of the series ``key``, with a band from the runs' minimum to their
     maximum. A run's series is ``(x, y)`` points; the runs of a cell are averaged at the x values they
-    share. Series with more than 50 points are drawn as running means (window ``len / 50``)."""
+    share. Series with more than 50 points are drawn as running means (window ``len / 50``). A cell has
+    one colour in every panel (:func:`~fedveil.eval.plots.method_colours`)."""
+    colours = method_colours(curves)
     fig = Figure(figsize=(6.0 * len(panels), 4.2), dpi=100)
     FigureCanvasAgg(fig)
     for index, (key, ylabel) in enumerate(panels):
@@ -199,9 +211,9 @@ def plot_seed_curves(
                 ys = np.array([np.convolve(y, kernel, mode="valid") for y in ys])
                 x = x[window - 1 :]
             label = f"{name} ({len(series)} run{'s' * (len(series) > 1)})"
-            (line,) = ax.plot(x, ys.mean(axis=0), marker="o" if len(x) < 20 else None, label=label)
+            ax.plot(x, ys.mean(axis=0), color=colours[name], marker="o" if len(x) < 20 else None, label=label)
             if len(series) > 1:
-                ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=line.get_color(), alpha=0.2)
+                ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=colours[name], alpha=0.2)
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
@@ -209,9 +221,7 @@ def plot_seed_curves(
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    return out
+    return fig
 
 
 TIMING_PARTS = ("ttd", "tte", "ttr", "ttp")
@@ -249,6 +259,4 @@ def plot_round_timing(devices: Sequence[Mapping[str, object]], path: str | Path,
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    return out
+    return save_png(fig, path)
