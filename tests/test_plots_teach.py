@@ -258,3 +258,39 @@ def test_seed_curves_keep_a_cells_colour_in_every_panel() -> None:
     in_loss = {line.get_label(): to_hex(line.get_color()) for line in fig.axes[0].get_lines()}
     in_accuracy = {line.get_label(): to_hex(line.get_color()) for line in fig.axes[1].get_lines()}
     assert in_accuracy["both (1 run)"] == in_loss["both (1 run)"] == method_colours(curves)["both"]
+
+
+def test_the_enclave_releases_the_fraction_and_valid_loss_of_alg1() -> None:
+    from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuoteVerifier
+    from fedveil.enclave.measure import EnclaveConfig, measure_enclave
+    from fedveil.runtime.enclave_host import EnclaveHost
+    from fedveil.runtime.quoting import SimulatedPlatform
+
+    platform = SimulatedPlatform.generate()
+    config = EnclaveConfig(memory_limit_bytes=8 * 2**20, margin=1.0)
+    host = EnclaveHost.start(config, platform=platform, boundary="inprocess")
+    verifier = SimulatedQuoteVerifier(platform.public_key)
+    ids = [f"c{i}" for i in range(5)]
+    sealed = {}
+    rng = np.random.default_rng(0)
+    emb = {c: rng.standard_normal((4, 8)).astype(np.float32) for c in ids}
+    for cid in ids:
+        session = EnclaveClientSession(
+            cid, verifier=verifier, expected_measurement=measure_enclave(config).digest
+        )
+        session.establish(host.open_session(session.hello()))
+        sealed[cid] = session.seal_embeddings(1, emb[cid])
+    try:
+        released = host.loss_and_derivatives(1, sealed, shape=(4, 8))
+        none_accepted = host.loss_and_derivatives(2, {ids[0]: b"\0" * len(sealed[ids[0]])}, shape=(4, 8))
+    finally:
+        host.close()
+    direct = loss_and_derivatives(
+        np.concatenate([emb[c] for c in ids]),
+        np.repeat(np.arange(5), 4),
+        margin=1.0,
+        memory_limit_bytes=8 * 2**20,
+    )
+    assert (released.active_fraction, released.valid_loss) == (direct.active_fraction, direct.valid_loss)
+    assert 0 < released.active_fraction < 1
+    assert none_accepted.rejected and (none_accepted.active_fraction, none_accepted.valid_loss) == (0.0, None)
