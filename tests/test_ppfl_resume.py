@@ -23,10 +23,11 @@ from fedveil.cli import main
 from fedveil.enclave.layerwise import ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
 from fedveil.errors import ValidationError
-from fedveil.experiments.checkpoint import CRASH_ENV, Checkpoint, load_checkpoint, save_checkpoint
+from fedveil.experiments.checkpoint import CHECKPOINT, CRASH_ENV, Checkpoint, load_checkpoint, save_checkpoint
 from fedveil.experiments.ppfl import runner as ppfl_runner
 from fedveil.runtime.enclave_host import EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
+from test_experiments_rundir import interrupt
 
 # LeNet in three stages of three rounds, two of three devices per round: about 3 s of training
 TINY = """
@@ -176,7 +177,7 @@ def test_the_checkpoint_never_holds_the_layer_in_training_in_the_clear(
     monkeypatch.setattr(EnclaveHost, "layer_seal", spy_seal)
     monkeypatch.setattr(ppfl_runner, "save_checkpoint", spy_save)
     assert main(["ppfl", "run", str(_config(tmp_path)), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
-    assert len(seen) == 6, "two mid-stage checkpoints in each of the three stages"
+    assert len(seen) == 7, "two mid-stage checkpoints in each of the three stages, and the final one's last"
     for theta, stored, released in seen:
         assert theta.size > 100
         assert not [w for w in _windows(theta) if w in stored], "the layer in training, in the clear"
@@ -260,3 +261,68 @@ def test_the_e2e_baseline_killed_mid_run_resumes_from_its_checkpoint_to_the_unin
         runs[name] = (_outcome(out), e2e, results["e2e_accuracy"])
     assert runs["killed"] == runs["whole"]
     assert [line["round"] for line in runs["whole"][1]] == [1, 2, 3, 4, 5, 6]
+
+
+class _PowerCut(Exception):
+    """A crash raised where the crash-test hook would kill the process."""
+
+
+def test_a_run_cut_off_after_the_final_round_with_the_classifier_kept_in_the_tees_resumes_to_the_same_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final stage's last round is checkpointed sealed too: with the TEEs keeping the classifier its
+    sealed layer is the only copy outside them, and the resumed run releases it and evaluates as the
+    uninterrupted run does, training no round again."""
+    config = tmp_path / "kept.yaml"
+    config.write_text(
+        TINY.replace("rounds_per_stage: 3", "rounds_per_stage: 2").replace(
+            "clients_per_round: 2}", "clients_per_round: 2, keep_classifier_in_tee: true}"
+        )
+    )
+    run = ppfl_runner.load_ppfl_run(config)
+    whole = ppfl_runner.run_ppfl(run, tmp_path / "whole", show_bar=False)
+    passed: list[str] = []
+
+    def cut_at(point: str) -> None:
+        def hook(name: str, rnd: int) -> None:
+            passed.append(f"{name}:{rnd}")
+            if passed[-1] == point:
+                raise _PowerCut(point)
+
+        monkeypatch.setattr(ppfl_runner, "crash_point", hook)
+
+    out = tmp_path / "cut"
+    cut_at("ppfl_checkpoint:6")
+    with pytest.raises(_PowerCut):
+        ppfl_runner.run_ppfl(run, out, show_bar=False)
+    ckpt = load_checkpoint(out)
+    assert ckpt is not None and ckpt.round == 6 and "sealed" in ckpt.arrays
+    assert ckpt.meta["partial"]["stage"] == 2 and ckpt.meta["partial"]["stopped"] == "rounds"
+    passed.clear()
+    resumed = ppfl_runner.run_ppfl(run, out, show_bar=False, resume=True)
+    assert passed == [], "no round is trained again"
+    assert _outcome(out) == _outcome(tmp_path / "whole"), "every round's line and the final accuracy"
+    assert resumed["final_accuracy"] == whole["final_accuracy"] is not None
+    assert load_checkpoint(out) is None
+
+
+def test_ctrl_c_in_the_e2e_baseline_stops_at_the_end_of_its_round_with_the_command_that_continues(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C in the E2E FedAvg baseline (here Table 3's, trained first) stops it at the end of a round,
+    after that round's checkpoint, and the last line names the round and the exact command that
+    continues."""
+    config = tmp_path / "reach.yaml"
+    config.write_text(TINY.replace("e2e: false", "reach_e2e_rounds: 100000"))
+    out = tmp_path / "run"
+    cmd = ["ppfl", "run", str(config), "--out", str(out), "--no-progress"]
+    code, err = interrupt(cmd, out / CHECKPOINT)
+    assert code == 2 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "stops at the end of this round" in err, "the first Ctrl-C says what it does"
+    ckpt = load_checkpoint(out)
+    assert ckpt is not None and "e2e_progress" in ckpt.meta and "e2e_weights" in ckpt.arrays
+    assert [line["round"] for line in ckpt.meta["e2e_progress"]["history"]] == list(range(1, ckpt.round + 1))
+    last = err.strip().splitlines()[-1]
+    assert f"E2E FedAvg baseline after round {ckpt.round}, whose checkpoint is in {out}" in last, last
+    assert f"again from round {ckpt.round + 1}" in last, last
+    assert last.endswith("continue with: " + shlex.join(["fedveil", *cmd, "--resume"])), last

@@ -942,7 +942,9 @@ class StageProgress:
     """Where a stage in training stood after its round ``round`` (``stage_round`` of the stage): the
     lines of its rounds so far, the best accuracy and evaluations since it for ``patience``, and the
     layer as the enclave ``sealed`` it (:meth:`~fedveil.runtime.enclave_host.EnclaveHost.layer_seal`;
-    the host never holds it in the clear). What a run needs to continue the stage after that round."""
+    the host never holds it in the clear), and why the stage ended there when it did (``stopped``:
+    ``"target"``, ``"converged"`` or, after its last round, ``"rounds"``; ``None`` while it goes on).
+    What a run needs to continue the stage after that round."""
 
     stage: int
     round: int
@@ -951,6 +953,7 @@ class StageProgress:
     best: float
     since: int
     sealed: bytes
+    stopped: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready, but for ``sealed`` (a checkpoint stores it as bytes)."""
@@ -961,6 +964,7 @@ class StageProgress:
             "rounds": self.rounds,
             "best": self.best,
             "since": self.since,
+            "stopped": self.stopped,
         }
 
     @classmethod
@@ -975,6 +979,7 @@ class StageProgress:
                 float(value["best"]),
                 int(value["since"]),
                 sealed,
+                None if value.get("stopped") is None else str(value["stopped"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"a checkpointed stage in training is incomplete: {exc!r}") from exc
@@ -1083,17 +1088,19 @@ class PpflServer:
         resumed: Callable[[], None] | None = None,
     ) -> list[StageReport]:
         """Alg. 1 over all stages; returns a report per stage (and calls ``progress`` per round,
-        ``on_round`` after each round that its stage follows with another, with the stage's progress and
-        its layer sealed under :attr:`sealing_secret`, and ``on_stage`` with each stage's report and
-        released values when it ends).
+        ``on_round`` after each round that its stage follows with another and after the final stage's
+        last round, with the stage's progress and its layer sealed under :attr:`sealing_secret`, and
+        ``on_stage`` with each stage's report and released values when it ends). The final stage's
+        sealed layer is what a run needs when the TEEs keep its classifier (``keep_classifier_in_tee``:
+        the kept tail cannot be released, so only the enclave's sealed copy outlives it).
 
         ``resume`` continues an interrupted run: the reports and released values of the stages it had
         finished (in order, not the final one). They are released to every device again (they were
         public: the REE held them in the clear), and training goes on with the next stage, from
         ``partial`` when the run stopped inside it: the enclave unseals its layer and the stage goes on
-        after ``partial``'s round. ``resumed`` is called then, before the next round (to rewind the
-        generators); set :attr:`round` to the interrupted run's last round first, so that rounds keep
-        advancing."""
+        after ``partial``'s round (a final stage that had ended there is released and ends the run).
+        ``resumed`` is called then, before the next round (to rewind the generators); set :attr:`round`
+        to the interrupted run's last round first, so that rounds keep advancing."""
         if len(resume) >= len(self.stages):
             raise ConfigError(f"{len(resume)} finished stages to resume, the plan has {len(self.stages)}")
         if self.public:
@@ -1140,12 +1147,16 @@ class PpflServer:
         eligible = self.eligible(memory)
         report = StageReport(stage.index, stage.units, memory, len(eligible))
         self.reports.append(report)
-        best, since, first = -1.0, 0, 1
+        final = stage is self.stages[-1]
+        best, since, first, last = -1.0, 0, 1, cfg.rounds_per_stage
         if partial is not None:
             secret = self._secret()
             self.enclave.layer_unseal(stage.index, partial.round, secret, partial.sealed)
             report.rounds = list(partial.rounds)
             best, since, first = partial.best, partial.since, partial.stage_round + 1
+            if partial.stopped is not None:
+                last = partial.stage_round
+                report.stopped = "" if partial.stopped == "rounds" else partial.stopped
         else:
             initial = np.concatenate([self.public[u] for u in stage.units]) if self.public else None
             self.enclave.layer_begin(stage.index, param_specs(net, self.init), cfg.seed, initial)
@@ -1189,7 +1200,7 @@ class PpflServer:
             timeout=cfg.timeout,
             check=check,
         )
-        for stage_round in range(first, cfg.rounds_per_stage + 1):
+        for stage_round in range(first, last + 1):
             self.round += 1
             timing.clear()
             outcome.clear()
@@ -1218,19 +1229,20 @@ class PpflServer:
             accuracy = line.get("accuracy")
             if accuracy is not None and cfg.target_accuracy is not None and accuracy >= cfg.target_accuracy:
                 report.stopped = "target"
-                break
-            if accuracy is not None and cfg.patience is not None:
+            elif accuracy is not None and cfg.patience is not None:
                 best, since = (accuracy, 0) if accuracy > best else (best, since + 1)
                 if since >= cfg.patience:
                     report.stopped = "converged"
-                    break
-            if on_round is not None and stage_round < cfg.rounds_per_stage:
+            ended = report.stopped or ("rounds" if stage_round == cfg.rounds_per_stage else None)
+            if on_round is not None and (ended is None or final):
                 sealed = self.enclave.layer_seal(stage.index, self.round, self._secret())
                 on_round(
                     StageProgress(
-                        stage.index, self.round, stage_round, list(report.rounds), best, since, sealed
+                        stage.index, self.round, stage_round, list(report.rounds), best, since, sealed, ended
                     )
                 )
+            if report.stopped:
+                break
         return report
 
     def _secret(self) -> bytes:

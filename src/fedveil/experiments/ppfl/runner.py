@@ -38,8 +38,10 @@ DIR --resume`` releases the finished stages to the devices again, rewinds the ge
 enclave unseal the stage's layer and goes on after the last round in the checkpoint: the resumed run
 equals the uninterrupted one round for round (``tests/test_ppfl_resume.py``). A sealed layer that was
 changed, sealed under another ``sealing.key``, or by an enclave of another measurement (changed enclave
-code or launch config) is refused by name. The final stage's last round is not checkpointed (a
-classifier kept in the TEEs cannot outlive the enclave). The E2E FedAvg baseline is checkpointed after
+code or launch config) is refused by name. The final stage's last round is checkpointed the same way,
+its layer sealed (when the TEEs keep its classifier, ``keep_classifier_in_tee``, the enclave's sealed
+copy is the only one outside the TEEs): a run resumed there releases it and ends as the uninterrupted
+one did. The E2E FedAvg baseline is checkpointed after
 each of its rounds too, in the same file (the FedAvg engine's ``state_dict``, the generators, its rounds
 so far, and PPFL's finished results when it follows PPFL), and goes on from there. The checkpoint is
 removed once ``results.json`` is written. A directory that
@@ -384,7 +386,7 @@ def run_ppfl(
         stop.check()
 
     def checkpoint(report: StageReport, released: np.ndarray, generators: dict[str, Any]) -> None:
-        """After each stage but the final one (whose kept tail cannot outlive the enclave)."""
+        """After each stage but the final one (checkpointed after its last round, sealed: ``mid_stage``)."""
         if report.stage >= len(stages) - 1:
             return
         released_so_far[f"released_{report.stage}"] = released
@@ -392,7 +394,7 @@ def run_ppfl(
         save(report.rounds[-1]["round"] if report.rounds else 0, generators, None)
 
     def mid_stage(progress: StageProgress, generators: dict[str, Any]) -> None:
-        """After each round that its stage follows with another."""
+        """After each round that its stage follows with another, and after the final stage's last."""
         save(progress.round, generators, progress)
 
     bar = tqdm(total=None, unit="round", desc=run.name, disable=not show_bar)
