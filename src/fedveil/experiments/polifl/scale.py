@@ -14,7 +14,7 @@ receipt) and TTP, time to process (the server's decoding and validation of the r
 certificate per device) on loopback; the devices run in ``processes`` agent processes, each device on its
 own TLS stream and its own :class:`~fedveil.runtime.network.agent.AgentHost` (so each device answers on
 its own, as a separate phone would); the PKI, the agent processes and the percentiles are
-:mod:`fedveil.experiments.bench.network`'s. The rounds are real PoliFL rounds
+:mod:`fedveil.experiments.loopback`'s. The rounds are real PoliFL rounds
 (:func:`fedveil.protocols.polifl.run_stage`): the job starts on the devices (:class:`JobStart`: the device
 runs ``get_data(...)`` through the trusted library on its data pair and accepts only if its policy then
 admits ``runFL``), then FedAvg engine rounds of :class:`~fedveil.protocols.fedavg.ModelServer`
@@ -69,7 +69,7 @@ import numpy as np
 from fedveil.core.communicator import ClientId, CommStats, DeviceTiming, Message, Validator
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.errors import ConfigError, ValidationError
-from fedveil.experiments.bench.network import agent_processes, percentiles, throwaway_pki, wait_connected
+from fedveil.experiments.loopback import agent_processes, percentiles, throwaway_pki, wait_connected
 from fedveil.experiments.polifl.runner import GroupSpec, PolifLRun, Task, build_task
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.pairs import DataPolicyPair
