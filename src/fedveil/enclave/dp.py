@@ -30,9 +30,14 @@ the drop either; and, because drops are independent across embeddings, an owner 
 own drops would learn nothing about anyone else's, which is what the drop amplification in the
 proof of Thm V.1 needs.
 
-Floating-point Laplace sampling (``numpy``'s inverse-CDF sampler) does not protect against the
-attacks on the low-order bits of floating-point noise (Mironov 2012); fedveil states epsilon for the
-idealised real-valued mechanism. The enclave uses numpy and the standard library only.
+Noise source: a seeded ``numpy.random.Generator`` (simulation: reproducible) draws floating-point
+Laplace noise (inverse CDF), which does not resist the attack on the low-order bits of floating-point
+noise (Mironov, CCS 2012); epsilon is then that of the idealised real-valued mechanism. A
+:class:`~fedveil.enclave.secure_noise.SecureNoise` (what a deployed enclave, launched without
+``dp_seed``, uses) snaps the clipped derivatives to a power-of-two grid and adds exact discrete Laplace
+noise of the same scale ``b`` from the OS's CSPRNG (Canonne, Kamath and Steinke 2020); the snapping adds
+at most ``n d grid`` to the L1 sensitivity (``grid <= b 2^-29``, :mod:`fedveil.enclave.secure_noise`).
+The enclave uses numpy and the standard library only.
 """
 
 from __future__ import annotations
@@ -40,12 +45,18 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from typing import TypeAlias
 
 import numpy as np
 
+from fedveil.enclave.secure_noise import SecureNoise
 from fedveil.errors import ConfigError, ValidationError
 
 MODES = ("paper", "strict")
+
+NoiseSource: TypeAlias = "np.random.Generator | SecureNoise"
+"""Where Alg. 2's randomness comes from: seeded numpy (simulation) or the secure sampler (deployment); a
+string, so that importing the enclave does not load ``numpy.random``."""
 
 
 def check_mode(mode: str) -> str:
@@ -88,7 +99,7 @@ def _check_count(value: int, name: str) -> int:
     return int(value)
 
 
-def drop_embeddings(n: int, drop_rate_r: float, rng: np.random.Generator) -> np.ndarray:
+def drop_embeddings(n: int, drop_rate_r: float, rng: NoiseSource) -> np.ndarray:
     """Alg. 2 line 1: the keep mask ``(n,)`` bool; each embedding is dropped independently with
     probability ``drop_rate_r`` (Bernoulli, not a fixed number), so the drops of different
     embeddings, and of different participants, are independent."""
@@ -128,7 +139,7 @@ def dp_release(
     mode: str,
     bound_T: float,
     noise_b: float,
-    rng: np.random.Generator,
+    rng: NoiseSource,
     keep: np.ndarray | None = None,
 ) -> np.ndarray:
     """Alg. 2 lines 3-4: clip ``(N, d)`` derivatives (see :func:`clip_derivatives`), set the rows of
@@ -151,7 +162,10 @@ def dp_release(
                 f"keep mask must be bool ({clipped.shape[0]},); got {mask.dtype} {mask.shape}"
             )
         clipped[~mask] = 0.0
-    noisy = clipped + rng.laplace(0.0, b, size=clipped.shape)
+    if isinstance(rng, SecureNoise):
+        noisy = rng.add_laplace(clipped, b)
+    else:
+        noisy = clipped + rng.laplace(0.0, b, size=clipped.shape)
     return noisy.astype(out_dtype, copy=False)
 
 
@@ -164,7 +178,7 @@ def private_derivatives(
     mode: str,
     bound_T: float,
     noise_b: float,
-    rng: np.random.Generator,
+    rng: NoiseSource,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FDML Alg. 2 end to end: drop (line 1), ``derivative_fn(kept_embeddings, kept_labels) -> (k, d)``
     on the kept ``k`` embeddings only (line 2, e.g. Alg. 1's triplet derivatives), clip and add noise

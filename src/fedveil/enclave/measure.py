@@ -69,7 +69,9 @@ class EnclaveConfig:
     no DP; ``paper`` or ``strict``), ``dp_bound_T``, ``dp_noise_b`` and ``dp_drop_rate`` switch step 5
     to FDML Alg. 2 (:mod:`fedveil.enclave.dp`), measured likewise. ``dp_seed`` seeds its noise for
     reproducible simulations only: a seed anyone knows lets a participant subtract the noise, so a
-    deployment leaves it ``None`` and the enclave draws from the operating system's entropy.
+    deployment leaves it ``None`` and the enclave draws exact discrete Laplace noise on a grid from the
+    operating system's CSPRNG (:class:`~fedveil.enclave.secure_noise.SecureNoise`), which also resists
+    the attack on the low-order bits of floating-point noise.
     """
 
     memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT_BYTES

@@ -110,9 +110,10 @@ from fedveil.enclave.channel import (
     public_bytes,
     unpack_frame,
 )
-from fedveil.enclave.dp import private_derivatives
+from fedveil.enclave.dp import NoiseSource, private_derivatives
 from fedveil.enclave.layerwise import LayerwiseState, ParamSpec
 from fedveil.enclave.measure import EnclaveConfig, measure_enclave
+from fedveil.enclave.secure_noise import SecureNoise
 from fedveil.enclave.triplet import TripletResult, loss_and_derivatives, unusable_rows
 from fedveil.errors import CodecError, ConfigError, FedveilError, ValidationError
 
@@ -249,7 +250,7 @@ class EnclaveService:
         self._sessions: dict[str, SecureChannel] = {}
         self._nonces: set[bytes] = set()
         self._aggregation: _Aggregation | None = None
-        self._dp_rng: np.random.Generator | None = None
+        self._dp_rng: NoiseSource | None = None
         self._ops: dict[str, Callable[[dict[str, Any], _Blobs, int, HeapMeter], _Reply]] = {
             "launch": self._launch,
             "open_session": self._open_session,
@@ -356,7 +357,9 @@ class EnclaveService:
         self._measurement = measure_enclave(config).digest
         self._report_key = bytes(blobs[1])
         if config.dp_mode is not None:
-            self._dp_rng = np.random.default_rng(config.dp_seed)
+            # seeded numpy for a simulation; a deployment (no seed) draws exact discrete noise from the CSPRNG
+            seeded = config.dp_seed is not None
+            self._dp_rng = np.random.default_rng(config.dp_seed) if seeded else SecureNoise()
         return {"ok": True}, []
 
     def _shutdown(self, header: dict[str, Any], blobs: _Blobs, size: int, meter: HeapMeter) -> _Reply:
