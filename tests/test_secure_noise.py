@@ -8,14 +8,18 @@ draws (20 000) and bounds generous enough that a correct sampler fails with prob
 from __future__ import annotations
 
 import math
+import tracemalloc
 from fractions import Fraction
 
 import numpy as np
 import pytest
 from scipy import stats
 
+from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuoteVerifier
 from fedveil.enclave.dp import dp_release, private_derivatives
+from fedveil.enclave.measure import EnclaveConfig, measure_enclave
 from fedveil.enclave.secure_noise import (
+    SECURE_NOISE_BYTES_PER_VALUE,
     SecureNoise,
     bernoulli_exp,
     discrete_gaussian,
@@ -23,8 +27,11 @@ from fedveil.enclave.secure_noise import (
     grid_sensitivity,
     zcdp_epsilon,
 )
+from fedveil.enclave.service import alg2_bytes
 from fedveil.errors import ConfigError
 from fedveil.privacy.accounting import Accountant, GaussianRelease
+from fedveil.runtime.enclave_host import EnclaveHost
+from fedveil.runtime.quoting import SimulatedPlatform
 
 DRAWS = 20_000
 MIN_P_VALUE = 1e-6
@@ -169,3 +176,46 @@ def test_fdml_release_through_the_secure_sampler() -> None:
         rng=noise,
     )
     assert released.shape == (100, 4) and keep.dtype == np.bool_ and 20 < keep.sum() < 80
+
+
+def test_secure_release_stays_within_its_metered_heap() -> None:
+    derivs = np.random.default_rng(0).normal(size=(2048, 32)).astype(np.float32)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        dp_release(derivs, mode="strict", bound_T=1.0, noise_b=0.5, rng=SecureNoise())
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak <= alg2_bytes(*derivs.shape) + SECURE_NOISE_BYTES_PER_VALUE * derivs.size
+
+
+def test_a_deployed_enclave_releases_grid_noise_a_simulated_one_seeded_noise() -> None:
+    """Launched without ``dp_seed`` (a deployment), the enclave's FDML Alg. 2 release lies on the secure
+    sampler's grid; with a seed (a simulation) it is numpy's reproducible float noise."""
+    dp = {"dp_mode": "strict", "dp_bound_T": 1.0, "dp_noise_b": 0.25, "dp_drop_rate": 0.0}
+    ids = [f"c{i}" for i in range(6)]
+    emb = {c: np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32) for i, c in enumerate(ids)}
+    released = {}
+    for seed in (None, 5):
+        platform = SimulatedPlatform.generate()
+        config = EnclaveConfig(memory_limit_bytes=8 * 2**20, dp_seed=seed, **dp)
+        host = EnclaveHost.start(config, platform=platform, boundary="inprocess")
+        verifier = SimulatedQuoteVerifier(platform.public_key)
+        sessions = {}
+        for cid in ids:
+            s = EnclaveClientSession(
+                cid, verifier=verifier, expected_measurement=measure_enclave(config).digest
+            )
+            s.establish(host.open_session(s.hello()))
+            sessions[cid] = s
+        result = host.loss_and_derivatives(
+            1, {c: sessions[c].seal_embeddings(1, emb[c]) for c in ids}, shape=(4, 8)
+        )
+        assert result.rejected == {} and result.peak_bytes <= config.memory_limit_bytes
+        released[seed] = np.concatenate([sessions[c].open_derivatives(1, result.derivatives[c]) for c in ids])
+    grid = SecureNoise().grid_for(0.25)
+    on_grid = released[None].astype(np.float64) / grid
+    assert np.array_equal(on_grid, np.round(on_grid))  # float32 keeps these grid points exactly
+    seeded = released[5].astype(np.float64) / grid
+    assert not np.array_equal(seeded, np.round(seeded))

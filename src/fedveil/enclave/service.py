@@ -113,7 +113,7 @@ from fedveil.enclave.channel import (
 from fedveil.enclave.dp import NoiseSource, private_derivatives
 from fedveil.enclave.layerwise import LayerwiseState, ParamSpec
 from fedveil.enclave.measure import EnclaveConfig, measure_enclave
-from fedveil.enclave.secure_noise import SecureNoise
+from fedveil.enclave.secure_noise import SECURE_NOISE_BYTES_PER_VALUE, SecureNoise
 from fedveil.enclave.triplet import TripletResult, loss_and_derivatives, unusable_rows
 from fedveil.errors import CodecError, ConfigError, FedveilError, ValidationError
 
@@ -495,7 +495,8 @@ class EnclaveService:
     ) -> TripletResult:
         """FDML step 5: Alg. 1, or Alg. 2 around it when the measured config enables DP (the loss and
         active count are then those of the kept embeddings; the derivatives are the released ones, and
-        ``workspace_bytes`` also bounds Alg. 2's own arrays, :func:`alg2_bytes`)."""
+        ``workspace_bytes`` also bounds Alg. 2's own arrays, :func:`alg2_bytes`, and with the secure sampler
+        its working arrays, :data:`~fedveil.enclave.secure_noise.SECURE_NOISE_BYTES_PER_VALUE`)."""
 
         def alg1(emb: np.ndarray, lab: np.ndarray) -> TripletResult:
             return loss_and_derivatives(
@@ -521,6 +522,8 @@ class EnclaveService:
             rng=self._dp_rng,
         )
         extra = alg2_bytes(*stacked.shape)
+        if isinstance(self._dp_rng, SecureNoise):
+            extra += SECURE_NOISE_BYTES_PER_VALUE * stacked.size
         if not kept:
             return TripletResult(0.0, released, 0, 0, 0, extra)
         return dataclasses.replace(
