@@ -1,6 +1,10 @@
-"""Shared fixtures: a tiny deterministic population that stands in for TouchAuth in protocol tests."""
+"""Shared fixtures: a tiny deterministic population that stands in for TouchAuth in protocol tests, and
+the headless Chromium page the browser tests drive."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -50,3 +54,23 @@ def toy_population() -> ToyPopulation:
 @pytest.fixture(autouse=True)
 def _torch_threads() -> None:
     torch.set_num_threads(1)
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def chromium_page():
+    """A page of Debian's Chromium, headless, driven by Playwright: the browser tests' one launcher
+    (Playwright cannot download its own browsers offline; ``scripts/bootstrap`` installs chromium)."""
+    from playwright.sync_api import sync_playwright
+
+    assert os.path.exists(CHROMIUM), "Debian's chromium is needed: apt-get install chromium (.ci/run does)"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        context = browser.new_context(ignore_https_errors=True)
+        yield context.new_page()
+        browser.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import ssl
 import subprocess
 import sys
@@ -15,11 +14,10 @@ import time
 
 import httpx
 import pytest
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from fedveil.service.demo import CASCADED, LOCAL
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 PASSWORD = "browser test password"
 
 
@@ -57,16 +55,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def page():
-    assert os.path.exists(CHROMIUM), "Debian's chromium is needed: apt-get install chromium (.ci/run does)"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
-        )
-        context = browser.new_context(ignore_https_errors=True)
-        yield context.new_page()
-        browser.close()
+def page(chromium_page: Page) -> Page:
+    return chromium_page
 
 
 def _sign_in(page: Page, url: str) -> None:

@@ -1,0 +1,160 @@
+"""The documentation site: ``mkdocs build --strict`` passes (a broken internal link, a missing nav page or
+a bad mkdocstrings reference fails it), the built pages' internal links all resolve in a real browser
+(Debian's Chromium, headless, on loopback), and every tutorial's code runs as its page shows it.
+
+A tutorial page's ```` ```bash ```` and ```` ```python ```` blocks are its program: they run in order, in
+a fresh folder that holds the repository's ``configs/`` (the pages run from the repository root), each
+python block as one script. Blocks of any other language (``text``, ``yaml``) are shown, not run."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import urldefrag, urljoin, urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+TUTORIALS = ("fdml", "feduv", "aiot", "polifl", "ppfl")
+_BLOCK = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
+
+
+def tutorial_blocks(page: Path) -> list[tuple[str, str]]:
+    """The ``(language, code)`` of every ``bash`` and ``python`` fenced block of ``page``, in order."""
+    return [
+        (lang, code) for lang, code in _BLOCK.findall(page.read_text("utf-8")) if lang in ("bash", "python")
+    ]
+
+
+def test_tutorial_blocks_are_found_in_order(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("intro\n```bash\necho one\n```\n```text\nout\n```\n```python\nprint(2)\n```\n", "utf-8")
+    assert tutorial_blocks(page) == [("bash", "echo one\n"), ("python", "print(2)\n")]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--clean",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, f"mkdocs build --strict failed:\n{built.stderr[-6000:]}"
+    return out
+
+
+def test_the_site_builds_strictly_with_every_page(site: Path) -> None:
+    for page in (
+        "index.html",
+        "getting-started/index.html",
+        "architecture/index.html",
+        "papers/index.html",
+        "api/index.html",
+        *(f"tutorials/{name}/index.html" for name in (*TUTORIALS, "byo")),
+    ):
+        assert (site / page).is_file(), page
+    home = (site / "index.html").read_text("utf-8")
+    # nothing is fetched from the network at view time: no web fonts, no external scripts or styles
+    assert "fonts.googleapis" not in home and "fonts.gstatic" not in home
+    assert not re.search(r'<(?:script|link)[^>]+(?:src|href)="(?:https?:)?//', home)
+
+
+def test_paper_citations_link_to_the_papers_page(site: Path) -> None:
+    papers = (site / "papers" / "index.html").read_text("utf-8")
+    for tag in ("fdml", "feduv", "aiot", "polifl", "ppfl"):
+        assert f'id="{tag}"' in papers, tag
+    tutorial = (site / "tutorials" / "fdml" / "index.html").read_text("utf-8")
+    assert '<a href="../../papers/#fdml">[FDML]</a>' in tutorial
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def served(site: Path):
+    """The built site over HTTP on loopback, from a thread that stops with the module."""
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietHandler, directory=site)
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+def _internal_links(page, base: str) -> set[str]:
+    hrefs = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
+    links = set()
+    for href in hrefs:
+        target, _ = urldefrag(href)
+        if urlparse(target).netloc == urlparse(base).netloc:
+            links.add(target)
+    return links
+
+
+def test_no_broken_internal_link_in_a_browser(served: str, chromium_page) -> None:
+    page = chromium_page
+    checked: dict[str, int] = {}
+    for path in ("", "tutorials/fdml/", "api/"):
+        response = page.goto(urljoin(served, path))
+        assert response is not None and response.status == 200, path
+        assert page.locator("article h1").count() >= 1, f"{path}: no page content rendered"
+        links = _internal_links(page, served)
+        assert len(links) > 10, f"{path}: only {len(links)} internal links (is the nav rendered?)"
+        for link in sorted(links - checked.keys()):
+            checked[link] = page.request.get(link).status
+    broken = {link: status for link, status in checked.items() if status != 200}
+    assert not broken, f"broken internal links: {broken}"
+
+
+@pytest.mark.parametrize("name", TUTORIALS)
+def test_tutorial_runs_as_written(name: str, tmp_path: Path) -> None:
+    page = DOCS / "tutorials" / f"{name}.md"
+    blocks = tutorial_blocks(page)
+    assert any(lang == "bash" for lang, _ in blocks) and any(lang == "python" for lang, _ in blocks), (
+        f"{page.name} must run its system from the command line and from Python"
+    )
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for i, (lang, code) in enumerate(blocks):
+        if lang == "bash":
+            command = ["bash", "-e", "-o", "pipefail", "-c", code]
+        else:
+            script = tmp_path / f"block{i}.py"
+            script.write_text(code, "utf-8")
+            command = [sys.executable, str(script)]
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, (
+            f"{page.name}, block {i + 1} ({lang}) failed:\n{code}\n--- stdout\n{done.stdout[-3000:]}"
+            f"\n--- stderr\n{done.stderr[-3000:]}"
+        )
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert runs, f"{page.name}: its code wrote no run directory"
+    for run in runs:
+        assert (run / "results.json").is_file(), f"{page.name}: {run.name} has no results.json"
