@@ -36,13 +36,22 @@ pytest.importorskip(
 
 from flwr.app import ConfigRecord, Context, RecordDict
 
+from fedveil import flower_app
 from fedveil.errors import ConfigError
+from fedveil.experiments.agent_options import pool_from_command
 from fedveil.experiments.config import config_to_dict, effective_overrides, load_config
 from fedveil.protocols.messages import Register, RegistrationCall
 from fedveil.runtime import flower
 from test_experiments_runner import SMALL as RUNNER_SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _handle(content: RecordDict, context: Context) -> RecordDict:
+    """The fedveil ClientApp's answer to ``content``, its clients built as a device agent builds them."""
+    return flower.handle(content, context, pool_from_command)
+
+
 SMALL = [
     "rounds=3",
     *RUNNER_SMALL,
@@ -239,7 +248,7 @@ class _Grid:
             self.pushed += 1
             mid = f"m{self.pushed}"
             node = msg.metadata.dst_node_id
-            out = self.tamper(node, flower.handle(msg.content, self.contexts[node]))
+            out = self.tamper(node, _handle(msg.content, self.contexts[node]))
             if out is not None:
                 reply = out if isinstance(out, _Reply) else _Reply(out)
                 reply.reply_to = mid
@@ -355,7 +364,7 @@ def test_the_client_app_refuses_what_it_cannot_serve(agent_command: list[str]) -
     ctx = grid.contexts[100]
 
     def ask(record: dict[str, Any], context: Context = ctx) -> ConfigRecord:
-        return flower.handle(RecordDict({flower.RECORD: ConfigRecord(record)}), context)[flower.RECORD]
+        return _handle(RecordDict({flower.RECORD: ConfigRecord(record)}), context)[flower.RECORD]
 
     assert (
         "has not been sent a hello"
@@ -373,7 +382,7 @@ def test_the_client_app_refuses_what_it_cannot_serve(agent_command: list[str]) -
     assert "not hosted by this node" in reply["error"]
     reply = ask({"phase": "train", "clients": [hosted[0]], "blobs": [b""], "index": [3]})
     assert "index does not match" in reply["error"]
-    assert flower.handle(RecordDict({"x": ConfigRecord({})}), ctx)[flower.RECORD]["error"].endswith(
+    assert _handle(RecordDict({"x": ConfigRecord({})}), ctx)[flower.RECORD]["error"].endswith(
         "the message has no fedveil record"
     )
     ask({"phase": "bye"})
@@ -403,10 +412,10 @@ def test_a_fresh_process_refuses_devices_whose_state_it_cannot_rebuild(tmp_path:
     grid = _Grid(1)
     ctx = grid.contexts[100]
     hello = ConfigRecord({"phase": "hello", "command": ["agent", "--config", str(path)]})
-    assert "clients" in flower.handle(RecordDict({flower.RECORD: hello}), ctx)[flower.RECORD]
+    assert "clients" in _handle(RecordDict({flower.RECORD: hello}), ctx)[flower.RECORD]
     flower._POOLS.clear()  # what a new ClientApp process sees
     phase = ConfigRecord({"phase": "embed", "clients": [], "blobs": [], "index": []})
-    error = flower.handle(RecordDict({flower.RECORD: phase}), ctx)[flower.RECORD]["error"]
+    error = _handle(RecordDict({flower.RECORD: phase}), ctx)[flower.RECORD]["error"]
     assert "did not serve the node's earlier messages" in error and "FDMLClients" in error
 
 
@@ -416,16 +425,16 @@ def test_bad_runtime_options_and_server_app_config_are_refused(tmp_path: Path) -
     cfg = str(ROOT / "configs/table1_fdml.yaml")
     assert main(["run", cfg, "--runtime", "flower", "--supernodes", "0", "--out", str(tmp_path / "x")]) == 2
     with pytest.raises(ConfigError, match="supernodes"):
-        flower.run_on_flower(lambda plan: None, supernodes=0)
+        flower.run_on_flower(lambda plan: None, pool_from_command, supernodes=0)
     ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     with pytest.raises(ConfigError, match="needs argv"):
-        flower._serve_app(None, ctx)  # type: ignore[arg-type]
+        flower_app._serve_app(None, ctx)  # type: ignore[arg-type]
     ctx = Context(
         run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"argv": "serve --demo"}
     )
     with pytest.raises(ConfigError, match="must be a `fedveil run`"):
-        flower._serve_app(None, ctx)  # type: ignore[arg-type]
+        flower_app._serve_app(None, ctx)  # type: ignore[arg-type]
     argv = {"argv": "run --no-such-option"}
     ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=argv)
     with pytest.raises(ConfigError, match="exited with status 2"):
-        flower._serve_app(object(), ctx)  # type: ignore[arg-type]
+        flower_app._serve_app(object(), ctx)  # type: ignore[arg-type]

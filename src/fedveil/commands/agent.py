@@ -5,33 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
+from fedveil.experiments.agent_options import add_agent_arguments
 from fedveil.experiments.config import load_config
 
 
 def register(subparsers: Any) -> None:
     """Add the ``agent`` command."""
     p = subparsers.add_parser("agent", help="run devices that dial a fedveil server (docs/deployment.md)")
-    p.add_argument("--server", required=True, help="the server's HOST:PORT")
-    p.add_argument("--config", type=Path, required=True, help="the experiment YAML the server runs")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    who = p.add_mutually_exclusive_group()
-    who.add_argument("--device", action="append", default=[], help="a device id to run (repeatable)")
-    who.add_argument("--shard", default=None, help="I/N: every N-th device of the population from I")
-    p.add_argument(
-        "--credentials", type=Path, default=None, help="DIR/<device>/{device.crt,device.key,ca.crt}"
-    )
-    p.add_argument(
-        "--platform-key", type=Path, default=None, help="the emulated TEE platform's public key file"
-    )
-    p.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (not for real use)")
-    p.add_argument("--server-name", default=None, help="TLS name to expect in the server certificate")
-    p.add_argument(
-        "--give-up-after", type=float, default=None, help="exit after this many seconds without a server"
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    add_agent_arguments(p)
     p.set_defaults(func=run)
 
 

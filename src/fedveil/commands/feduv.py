@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fedveil.experiments.agent_options import add_feduv_agent_arguments
 from fedveil.experiments.checkpoint import add_run_arguments, run_sets
 from fedveil.experiments.config import run_overrides
 from fedveil.experiments.network_options import add_network_arguments, with_runtime
@@ -50,21 +51,7 @@ def register(subparsers: Any) -> None:
     add_run_arguments(r)
     add_network_arguments(r, default_agents=4, clients="users", ray=False)
     a = actions.add_parser("agent", help="run users of a FedUV run as a device agent (docs/deployment.md)")
-    a.add_argument("--server", required=True, help="the server's HOST:PORT")
-    a.add_argument("--config", type=Path, required=True, help="the run's config (its config.json)")
-    a.add_argument("--method", choices=("feduv", "fedaws", "softmax"), required=True)
-    a.add_argument("--code-length", type=int, default=None, help="FedUV's code length c")
-    who = a.add_mutually_exclusive_group()
-    who.add_argument("--device", action="append", default=[], help="a user id to run (repeatable)")
-    who.add_argument("--shard", default=None, help="I/N: every N-th user from I")
-    a.add_argument(
-        "--credentials", type=Path, default=None, help="DIR/<device>/{device.crt,device.key,ca.crt}"
-    )
-    a.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (not for real use)")
-    a.add_argument(
-        "--give-up-after", type=float, default=None, help="exit after this many seconds without a server"
-    )
-    a.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    add_feduv_agent_arguments(a)
     b = actions.add_parser("bench", help="FedAvg client updates per second on the MNIST-UV net")
     b.add_argument("--clients", type=int, default=4, help="users updated together (default: 4)")
     b.add_argument("--width-divisor", type=int, default=1, help="1 = Table 2's net (default)")

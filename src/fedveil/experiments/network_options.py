@@ -104,4 +104,6 @@ def with_runtime(args: argparse.Namespace, work: Callable[[Any], T]) -> T:
         from fedveil.runtime.flower import run_on_flower
     except ImportError as exc:
         raise ConfigError(f"--runtime flower needs Flower: pip install 'fedveil[flower]' ({exc})") from None
-    return run_on_flower(work, supernodes=args.supernodes, wait_seconds=args.wait)
+    from fedveil.experiments.agent_options import pool_from_command
+
+    return run_on_flower(work, pool_from_command, supernodes=args.supernodes, wait_seconds=args.wait)

@@ -2,8 +2,8 @@
 
 The protocols do not change. Only the runtime does: :class:`FlowerRuntime` is a
 :class:`~fedveil.core.communicator.Communicator` over a Flower ``Grid`` (the ServerApp's handle on the
-SuperLink), and :data:`client_app` is a Flower ``ClientApp`` hosting fedveil's client code, the same
-client pools the in-process simulation, the Ray actors and the device agents run.
+SuperLink), and :func:`client_app_for` makes a Flower ``ClientApp`` hosting fedveil's client code, the
+same client pools the in-process simulation, the Ray actors and the device agents run.
 
 - **Messages.** Every fedveil message is its codec bytes, carried in a Flower ``ConfigRecord`` named
   ``fedveil`` of a message of type ``query.fedveil``. One Flower message goes to each SuperNode per phase,
@@ -15,8 +15,9 @@ client pools the in-process simulation, the Ray actors and the device agents run
   convention ``partition-id`` = I and ``num-partitions`` = N in its node config (Flower's simulation
   engine sets them; start a deployed SuperNode with ``--node-config "partition-id=0 num-partitions=2"``).
   At start the server sends each node a ``hello`` with the device-agent command that describes the
-  clients (``agent --config ...`` or ``feduv agent --config ... --method ...``, parsed by fedveil's own
-  parser, never executed). The node builds its clients as a device agent would and answers with their
+  clients (``agent --config ...`` or ``feduv agent --config ... --method ...``). The ClientApp's
+  ``build_pool`` turns it into the clients a device agent would build (parsed by fedveil's own parser,
+  never executed: :func:`fedveil.experiments.agent_options.pool_from_command`) and answers with their
   ids. The server then waits until every client of the population is hosted.
 - **Client state.** A ClientApp keeps its clients in its process, as a device agent does. Each client's
   random generator is also saved in the node's Flower ``Context.state`` (kept by the SuperNode, on the
@@ -33,8 +34,8 @@ client pools the in-process simulation, the Ray actors and the device agents run
 
 ``fedveil run CONFIG --runtime flower --supernodes N`` (and ``fedveil feduv run --runtime flower``) starts
 Flower's simulation engine in this process (:func:`run_on_flower`). ``flwr run`` runs the Flower App in
-``packaging/flower-app``, whose ServerApp (:data:`server_app`) runs the fedveil command line given as
-its ``argv`` run-config value. See ``docs/flower.md``.
+``packaging/flower-app`` (:mod:`fedveil.flower_app`), whose ServerApp runs the fedveil command line given
+as its ``argv`` run-config value on its grid (:func:`serving`). See ``docs/flower.md``.
 """
 
 from __future__ import annotations
@@ -44,10 +45,9 @@ import contextlib
 import json
 import logging
 import os
-import shlex
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -64,16 +64,18 @@ from fedveil.core import codec
 from fedveil.core.communicator import ClientId, CommStats, Dropout, Validator
 from fedveil.core.communicator import Message as FedveilMessage
 from fedveil.errors import CodecError, ConfigError, ValidationError
+from fedveil.runtime.quoting import platform_for
 
 __all__ = [
     "MESSAGE_TYPE",
     "RECORD",
     "FlowerPlan",
     "FlowerRuntime",
-    "client_app",
+    "PoolBuilder",
+    "client_app_for",
     "handle",
     "run_on_flower",
-    "server_app",
+    "serving",
 ]
 
 log = logging.getLogger(__name__)
@@ -85,8 +87,9 @@ RECORD = "fedveil"
 """The name of the ``ConfigRecord`` that carries fedveil's bytes in a Flower message."""
 
 HELLO, BYE = "hello", "bye"
-COMMANDS = (("agent",), ("feduv", "agent"))
-"""The device-agent commands a ClientApp accepts in a ``hello``: the ones that describe clients."""
+
+PoolBuilder = Callable[[Sequence[str]], Any]
+"""Builds the client pool (every client of the population) a device-agent command describes."""
 
 T = TypeVar("T")
 
@@ -366,8 +369,6 @@ class FlowerPlan:
 
     def make_runtime(self, out: Path, *, max_message_bytes: int, attested: bool) -> tuple[FlowerRuntime, Any]:
         """The runtime and, for an ``attested`` enclave, the emulated platform (kept in ``out/pki``)."""
-        from fedveil.experiments.network_run import platform_for
-
         pki = Path(out) / "pki"
         platform = None
         if attested:
@@ -394,17 +395,30 @@ class _Active(threading.local):
 _ACTIVE = _Active()
 
 
+@contextlib.contextmanager
+def serving(grid: Grid) -> Iterator[None]:
+    """Within it, :func:`run_on_flower` runs its work on ``grid``, the grid of the ServerApp that
+    ``flwr run`` started (in this thread), instead of starting Flower's simulation engine."""
+    _ACTIVE.grid = grid
+    try:
+        yield
+    finally:
+        _ACTIVE.grid = None
+
+
 def run_on_flower(
     work: Callable[[FlowerPlan], T],
+    build_pool: PoolBuilder,
     *,
     supernodes: int = 4,
     threads: int = 1,
     wait_seconds: float = 300.0,
     cpus: int | None = None,
 ) -> T:
-    """Run ``work(plan)`` as a Flower ServerApp: inside the ServerApp that ``flwr run`` started (its grid),
-    or else on Flower's simulation engine started here with ``supernodes`` SuperNodes, all of them in one
-    long-lived ClientApp process with ``cpus`` CPUs (default: all), so that client state persists."""
+    """Run ``work(plan)`` as a Flower ServerApp: inside the ServerApp that ``flwr run`` started (its grid,
+    :func:`serving`), or else on Flower's simulation engine started here with ``supernodes`` SuperNodes,
+    all of them in one long-lived ClientApp process (:func:`client_app_for` ``build_pool``) with ``cpus``
+    CPUs (default: all), so that client state persists."""
     if _ACTIVE.grid is not None:
         return work(FlowerPlan(_ACTIVE.grid, wait_seconds=wait_seconds, threads=threads))
     if isinstance(supernodes, bool) or not isinstance(supernodes, int) or supernodes < 1:
@@ -422,7 +436,7 @@ def run_on_flower(
     with _quiet_flower():
         run_simulation(
             app,
-            client_app,
+            client_app_for(build_pool),
             num_supernodes=supernodes,
             backend_config={
                 "client_resources": {"num_cpus": cpus, "num_gpus": 0.0},
@@ -447,34 +461,6 @@ def _quiet_flower() -> Any:
         flwr_log.setLevel(level)
 
 
-server_app = ServerApp()
-"""The ServerApp of the Flower App (``packaging/flower-app``): runs the fedveil command line in the run
-config's ``argv`` (e.g. ``"run configs/table1_fl_lr0.1.yaml --set rounds=3"``) on this run's grid."""
-
-
-@server_app.main()
-def _serve_app(grid: Grid, context: Context) -> None:
-    from fedveil.cli import main
-
-    argv = context.run_config.get("argv")
-    if not isinstance(argv, str) or not argv.strip():
-        raise ConfigError(
-            'the Flower run config needs argv, the fedveil command to run, e.g. argv = "run CONFIG.yaml"'
-        )
-    args = shlex.split(argv)
-    if args[:1] not in (["run"], ["feduv"]):
-        raise ConfigError(f"argv {argv!r} must be a `fedveil run` or `fedveil feduv run` command line")
-    _ACTIVE.grid = grid
-    try:
-        status = main([*args, "--runtime", "flower"])
-    except SystemExit as exc:  # argparse's verdict on a bad command line (its message is on stderr)
-        status = exc.code if isinstance(exc.code, int) else 2
-    finally:
-        _ACTIVE.grid = None
-    if status:
-        raise ConfigError(f"`fedveil {argv}` exited with status {status}")
-
-
 # --------------------------------------------------------------------------------------------- client
 
 
@@ -482,18 +468,20 @@ _POOLS: dict[tuple[int, tuple[str, ...]], Any] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _pool_for(run_id: int, command: Sequence[str], *, drop: bool = False, at_hello: bool = True) -> Any:
+def _pool_for(
+    run_id: int, command: Sequence[str], build_pool: PoolBuilder, *, drop: bool = False, at_hello: bool = True
+) -> Any:
     """The client pool (every client of the population) that the device-agent ``command`` describes for
-    Flower run ``run_id``, built once per process and run (the nodes a process serves share it: each
-    touches only its own clients); ``drop`` forgets it. Past the ``hello`` (``at_hello=False``), a pool
-    this process must build anew is refused unless its clients keep nothing but their generators between
-    messages."""
+    Flower run ``run_id`` (``build_pool(command)``), built once per process and run (the nodes a process
+    serves share it: each touches only its own clients); ``drop`` forgets it. Past the ``hello``
+    (``at_hello=False``), a pool this process must build anew is refused unless its clients keep nothing
+    but their generators between messages."""
     key = (run_id, tuple(command))
     with _POOLS_LOCK:
         if drop:
             return _POOLS.pop(key, None)
         if key not in _POOLS:
-            pool = _build_pool(list(command))
+            pool = build_pool(list(command))
             if not at_hello and not _carried_whole(pool):
                 raise ConfigError(
                     f"this ClientApp process did not serve the node's earlier messages, and "
@@ -514,31 +502,6 @@ def _carried_whole(pool: Any) -> bool:
     return type(pool) is FedAvgClients
 
 
-def _build_pool(command: list[str]) -> Any:
-    import torch
-
-    from fedveil.cli import build_parser
-
-    if not any(command[: len(c)] == list(c) for c in COMMANDS):
-        known = ", ".join(" ".join(c) for c in COMMANDS)
-        raise ConfigError(f"{command[:2]} is not a device-agent command ({known})")
-    try:
-        args = build_parser().parse_args([*command, "--server", "flower:0", "--insecure"])
-    except SystemExit:
-        raise ConfigError(f"bad device-agent command {shlex.join(command)!r}") from None
-    torch.set_num_threads(max(1, args.threads))
-    if command[0] == "agent":
-        from fedveil.experiments.config import load_config
-        from fedveil.experiments.fdml.agent import agent_pool
-
-        cfg = load_config(args.config, args.overrides)
-        key = args.platform_key.read_bytes() if args.platform_key else None
-        return agent_pool(cfg, platform_public_key=key)[0]
-    from fedveil.experiments.feduv.runner import agent_clients
-
-    return agent_clients(args.config, args.method, args.code_length)
-
-
 def _shard(context: Context) -> tuple[int, int]:
     """This node's share ``(I, N)`` from its node config."""
     part, parts = context.node_config.get("partition-id"), context.node_config.get("num-partitions")
@@ -550,9 +513,10 @@ def _shard(context: Context) -> tuple[int, int]:
     return part, parts
 
 
-def handle(content: RecordDict, context: Context) -> RecordDict:
-    """One fedveil message to this node: ``hello`` (build the clients, answer their ids), ``bye``, or a
-    phase's messages for the node's clients (answer each one's reply bytes or error)."""
+def handle(content: RecordDict, context: Context, build_pool: PoolBuilder) -> RecordDict:
+    """One fedveil message to this node: ``hello`` (build the clients its device-agent command describes
+    with ``build_pool``, answer their ids), ``bye``, or a phase's messages for the node's clients (answer
+    each one's reply bytes or error)."""
     try:
         if RECORD not in content.config_records:
             raise ValidationError("the message has no fedveil record")
@@ -561,7 +525,7 @@ def handle(content: RecordDict, context: Context) -> RecordDict:
         saved = context.state.config_records.get(RECORD)
         if phase == HELLO:
             command = [str(c) for c in _field(record, "command", list)]
-            pool = _pool_for(context.run_id, command)
+            pool = _pool_for(context.run_id, command, build_pool)
             part, parts = _shard(context)
             mine = list(pool.client_ids())[part::parts]
             context.state[RECORD] = ConfigRecord({"command": command, "clients": mine, "rngs": "{}"})
@@ -569,21 +533,21 @@ def handle(content: RecordDict, context: Context) -> RecordDict:
         if saved is None:
             raise ConfigError("this node has not been sent a hello: its clients are not built")
         if phase == BYE:
-            _pool_for(context.run_id, list(saved["command"]), drop=True)  # type: ignore[arg-type]
+            _pool_for(context.run_id, list(saved["command"]), build_pool, drop=True)  # type: ignore[arg-type]
             del context.state[RECORD]
             return RecordDict({RECORD: ConfigRecord({"clients": []})})
-        return RecordDict({RECORD: _phase(record, saved, context.run_id)})
+        return RecordDict({RECORD: _phase(record, saved, context.run_id, build_pool)})
     except Exception as exc:  # every failure is the node's reply: the server records it as dropouts
         log.warning("fedveil ClientApp: %s: %s", type(exc).__name__, exc)
         return RecordDict({RECORD: ConfigRecord({"error": f"{type(exc).__name__}: {exc}"[:2000]})})
 
 
-def _phase(record: ConfigRecord, saved: ConfigRecord, run_id: int) -> ConfigRecord:
+def _phase(record: ConfigRecord, saved: ConfigRecord, run_id: int, build_pool: PoolBuilder) -> ConfigRecord:
     """Run one phase for the node's addressed clients, their generators restored from and saved to the
     node's state."""
     from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 
-    pool = _pool_for(run_id, list(saved["command"]), at_hello=False)  # type: ignore[arg-type]
+    pool = _pool_for(run_id, list(saved["command"]), build_pool, at_hello=False)  # type: ignore[arg-type]
     mine = set(saved["clients"])  # type: ignore[arg-type]
     clients = [str(c) for c in _field(record, "clients", list)]
     blobs = _field(record, "blobs", list)
@@ -610,10 +574,13 @@ def _phase(record: ConfigRecord, saved: ConfigRecord, run_id: int) -> ConfigReco
     return ConfigRecord({"clients": clients, "errors": errors, "payloads": payloads})
 
 
-client_app = ClientApp()
-"""The Flower ClientApp hosting fedveil's clients (module docstring)."""
+def client_app_for(build_pool: PoolBuilder) -> ClientApp:
+    """A Flower ClientApp hosting the clients each ``hello``'s device-agent command describes, built by
+    ``build_pool`` (module docstring)."""
+    app = ClientApp()
 
+    @app.query("fedveil")
+    def _serve_client(message: Message, context: Context) -> Message:
+        return Message(handle(message.content, context, build_pool), reply_to=message)
 
-@client_app.query("fedveil")
-def _serve_client(message: Message, context: Context) -> Message:
-    return Message(handle(message.content, context), reply_to=message)
+    return app
