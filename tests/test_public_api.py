@@ -21,6 +21,15 @@ from fedveil.privacy.accounting import GaussianRelease, epsilon_of
 
 ROOT = Path(__file__).parents[1]
 API_PAGE = ROOT / "docs" / "api.md"
+BYO_PAGE = ROOT / "docs" / "tutorials" / "byo.md"
+# the tutorial's settings at test size: the synthetic stand-in of 1,200 images, two short rounds
+BYO_SETTINGS = {
+    "DATA": '"synthetic-fashion-mnist:1200"',
+    "CLIENTS": "6",
+    "EXAMPLES_PER_CLIENT": "20",
+    "ROUNDS": "2",
+    "LOCAL_EPOCHS": "1",
+}
 CONFIG = ROOT / "configs" / "table1_fdml.yaml"
 # plain FDML (no emulated TEE), 6 + 6 synthetic users, 2 rounds
 TINY = [
@@ -247,3 +256,27 @@ def test_train_fedavg_refuses_data_the_model_cannot_train_on() -> None:
         fedveil.train_fedavg(_mlp(), floats, rounds=1, clients_per_round=1, lr=0.1, batch_size=2)
     with pytest.raises(ConfigError, match="dataset must be a FederatedDataset"):
         fedveil.train_fedavg(_mlp(), [1, 2], rounds=1, clients_per_round=1, lr=0.1, batch_size=2)  # type: ignore[arg-type]
+
+
+# --- the tutorial ---------------------------------------------------------------------------------------
+
+
+def test_the_bring_your_own_tutorial_runs_at_small_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    blocks = re.findall(r"^```python\n(.*?)^```\s*$", BYO_PAGE.read_text(encoding="utf-8"), flags=re.M | re.S)
+    assert len(blocks) == 1, "the page's program is one python block"
+    code = blocks[0]
+    for name, value in BYO_SETTINGS.items():
+        code, count = re.subn(rf"^{name} = .*$", f"{name} = {value}", code, flags=re.M)
+        assert count == 1, f"the tutorial sets {name} once at the top"
+    namespace: dict[str, object] = {"__name__": "byo_tutorial"}
+    with torch.random.fork_rng(devices=[]):
+        exec(compile(code, str(BYO_PAGE), "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert "SYNTHETIC STAND-IN" in printed
+    assert re.search(r"plain: local loss [\d.]+ -> [\d.]+, test accuracy [\d.]+ after 2 rounds", printed)
+    assert re.search(r"epsilon = [\d.]+ at delta = 1e-05 over 2 rounds", printed)
+    assert re.search(
+        r"membership AUC on the uploads \(0.5 = guessing\): plain [\d.]+, with DP [\d.]+", printed
+    )
+    private = namespace["private"]
+    assert isinstance(private, fedveil.FedAvgResult) and private.epsilon is not None

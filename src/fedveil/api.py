@@ -107,7 +107,8 @@ class FedAvgPrivacy:
     both from :class:`~fedveil.privacy.groups.GroupLedger` over :mod:`fedveil.privacy.accounting` with the
     ``accountant`` named (PLD, or RDP below :data:`~fedveil.privacy.groups.PLD_MIN_Z`). ``noise_on``:
     ``"local"`` (each client adds a share of standard deviation ``noise_multiplier * clip_norm /
-    sqrt(clients_per_round)`` to its clipped update; the shares sum to the stated noise) or ``"central"``
+    sqrt(clients_per_round)`` to its clipped update; the shares sum to the stated noise, and one upload
+    seen alone carries only that share) or ``"central"``
     (the server adds it to the sum; the uploads it sees are clipped, not noised). The mean local loss each
     client reports with its upload is not covered.
     """
