@@ -20,6 +20,35 @@ import yaml
 from fedveil.errors import ConfigError
 from fedveil.protocols.settings import FDMLConfig, FedAvgConfig
 
+__all__ = [
+    "BOUNDARIES",
+    "DATA_KINDS",
+    "DP_MODES",
+    "NETWORKS",
+    "PROTOCOLS",
+    "DPSection",
+    "DataSection",
+    "EnclaveSection",
+    "EvalSection",
+    "ExperimentConfig",
+    "FaultsSection",
+    "LatencySection",
+    "ModelSection",
+    "PhaseSection",
+    "RuntimeSection",
+    "build_dataclass",
+    "config_to_dict",
+    "effective_overrides",
+    "ignored_keys",
+    "keys_without_effect",
+    "load_config",
+    "load_run_config",
+    "parse_overrides",
+    "read_yaml_mapping",
+    "refuse_keys_without_effect",
+    "run_overrides",
+]
+
 PROTOCOLS = ("fdml", "fedavg")
 DATA_KINDS = ("touchauth-synthetic", "touchauth-csv", "cameraauth-synthetic", "cameraauth-folder")
 NETWORKS = ("auto", "touchauth", "resnet34")
