@@ -83,6 +83,7 @@ __all__ = [
     "PolicyGroup",
     "Stage",
     "StageResult",
+    "StageResume",
     "accumulate",
     "average",
     "enforce_budget",
@@ -618,6 +619,18 @@ class StageResult:
     q: float = 0.0
 
 
+@dataclass(frozen=True)
+class StageResume:
+    """Where an interrupted stage goes on: after its round ``rounds``, from the model's ``weights`` then.
+    ``rewind`` is called once the job has started on the devices again, before the next round: it sets
+    the generators the rounds draw from (the DP noise's, the devices') to their states after that
+    round."""
+
+    rounds: int
+    weights: np.ndarray
+    rewind: Callable[[], None]
+
+
 async def run_stage(
     stage: Stage,
     *,
@@ -631,10 +644,14 @@ async def run_stage(
     rng: np.random.Generator,
     on_round: Callable[[int, RoundReport], None] | None = None,
     model_spec: str = "",
+    resume: StageResume | None = None,
 ) -> StageResult:
     """Run one ``runFL`` stage on the engine (module docstring): start the job on the stage's devices
     (``model_spec``: the model networked devices build, :class:`JobStart`), train ``stage.rounds`` rounds
-    from ``model``'s value, record each round in ``ledger`` and return the model's advanced pair."""
+    from ``model``'s value, record each round in ``ledger`` and return the model's advanced pair.
+    ``resume`` goes on with an interrupted stage after its last checkpointed round (the server's
+    selection generator and ``ledger`` already as they were then): the job starts again, the rounds
+    before are not trained again."""
     if dp_mode not in DP_MODES:
         raise ConfigError(f"dp mode {dp_mode!r} is not one of {', '.join(DP_MODES)}")
     dp = stage.noise_std is not None
@@ -677,9 +694,12 @@ async def run_stage(
     )
     reported = sorted({replies[c].policy for c in ready})
     scoped = run_fl(model, [DataPolicyPair(None, parse(text)) for text in reported])
-    server.engine.current = np.array(scoped._value(), dtype=np.float32)
+    start = scoped._value() if resume is None else resume.weights
+    server.engine.current = np.array(start, dtype=np.float32)
+    if resume is not None:
+        resume.rewind()
     result = StageResult(scoped, refused, z=z, q=q)
-    for rnd in range(1, stage.rounds + 1):
+    for rnd in range(1 if resume is None else resume.rounds + 1, stage.rounds + 1):
         report = await server.run_round(rnd, comm)
         ledger.record([g.name for g in stage.groups], z=z, q=q)
         result.reports.append(report)

@@ -18,8 +18,13 @@ The run resumes: after each stage the strategy's state (model weights as ``.npz`
 release outcome) is written to ``OUT/<strategy>/state.json`` + ``weights.npz``, and a rerun with
 ``resume`` continues from the next stage, under the same settings only (``OUT/config.json``); finished
 strategies are not run again. Without ``resume`` a folder that holds anything is refused, unless
-``overwrite`` clears it first. Ctrl-C stops at the end of the round in progress
-(:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`); its stage starts again on resume.
+``overwrite`` clears it first. Inside a stage, the state is checkpointed after every round but the
+stage's last (``state.json``'s ``partial``: the round, the stage's plan, the DP noise's generator and, in
+simulation, the devices'; the model in ``call<i>.round<r>.npz``; the ledger and selection generator with
+the rest), so a stage cut off mid-way goes on after its last checkpointed round and ends with the
+uninterrupted run's model (over the network the devices' generators stay on the devices). Ctrl-C
+stops at the end of the round in progress, after its checkpoint
+(:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`).
 ``results.json`` and ``curves.png`` (the metric over rounds per strategy: Fig. 6/7's shape, with the
 task's chance level and, after each stage, the epsilon its groups had spent over their budgets) are
 rewritten after every stage.
@@ -48,7 +53,7 @@ from fedveil.core.communicator import Communicator
 from fedveil.core.provenance import code_identity
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.eval.plots import method_colours, save_png
-from fedveil.experiments.checkpoint import StopAtRoundEnd, prepare_run_dir
+from fedveil.experiments.checkpoint import StopAtRoundEnd, crash_point, prepare_run_dir
 from fedveil.experiments.config import load_run_config
 from fedveil.experiments.plots import Note, Reference, series_figure
 from fedveil.experiments.report import announce_stand_in
@@ -63,12 +68,14 @@ from fedveil.privacy.sandbox import (
     compile_program,
     run_program,
 )
+from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelServer
 from fedveil.protocols.local import LocalOptimizer
 from fedveil.protocols.polifl import (
     PolicyDevices,
     PolicyGroup,
     Stage,
+    StageResume,
     enforce_budget,
     prepare_pair,
     release_model,
@@ -477,6 +484,7 @@ class _State:
     stages: list[dict[str, Any]] = field(default_factory=list)
     ledger: dict[str, Any] | None = None
     selection: dict[str, Any] | None = None
+    partial: dict[str, Any] | None = None
     stopped: str | None = None
     released: bool = False
     done: bool = False
@@ -563,6 +571,7 @@ class _Host:
             self.ledger.restore(self.state.ledger)
         self.optimizer = LocalOptimizer("sgd", run.lr)
         self.runtime: Communicator
+        self.devices: PolicyDevices | None = None
         if network is not None:
             self.runtime = network.comm
         else:
@@ -579,6 +588,7 @@ class _Host:
                 batched=task.batched,
             )
             self.runtime = SimulationRuntime(devices, rng=np.random.default_rng(run.seed + 1))
+            self.devices = devices
         cfg = ImageFedAvgConfig(
             clients_per_round=run.clients_per_round,
             local_epochs=run.local_epochs,
@@ -705,6 +715,8 @@ class _Host:
             atomic_write(weights_path, _npz(self.server.weights))
             self.state.calls.append(entry)
             self._save()
+            for stale in self.folder.glob(f"call{index}.round*.npz"):
+                stale.unlink()
         with np.load(weights_path, allow_pickle=False) as z:
             out = DataPolicyPair(np.asarray(z["weights"], dtype=np.float32), parse(entry["policy"]))
         self.contributors[id(out)] = self.contributors.get(id(model), frozenset()) | frozenset(names)
@@ -761,12 +773,54 @@ class _Host:
         return stage, row
 
     def _train(self, model: DataPolicyPair, groups: list[PolicyGroup], rounds: int) -> dict[str, Any]:
+        """Train one ``runFL`` call (the next one the log does not hold), checkpointed after each of its
+        rounds but the last; a checkpoint of this call in ``state.json`` makes it go on from there."""
         run, task = self.run, self.task
-        stage, row = self._stage(groups, rounds)
+        call, partial = len(self.state.calls), self.state.partial
+        if partial is not None and partial["call"] != call:
+            raise ConfigError(
+                f"{self.state_path} holds a stage of run_fl call {partial['call']}, but the program's next "
+                f"call to train is number {call}: rerun afresh (--overwrite)"
+            )
+        if partial is None:
+            stage, row = self._stage(groups, rounds)
+        else:  # the ledger already holds the stage's rounds so far: its plan is the checkpoint's
+            row = dict(partial["row"])
+            stage = replace(stage_of(groups, rounds), rounds=int(row["rounds"]))
+        noise = np.random.default_rng(run.seed + 100 + len(self.state.stages))
         bar = tqdm(
             total=stage.rounds, desc=f"{self.strategy} {stage.name}", disable=not self.progress, leave=False
         )
         base = self.state.round
+
+        def checkpoint(rnd: int) -> None:
+            """After the stage's round ``rnd``: the model (its own file), then the state that names it."""
+            atomic_write(self.folder / f"call{call}.round{rnd}.npz", _npz(self.server.weights))
+            previous = self.state.partial
+            self.state.partial = {
+                "call": call,
+                "rounds": rnd,
+                "row": row,
+                "noise": noise.bit_generator.state,
+                "devices": None if self.devices is None else pool_rng_states(self.devices.trainer),
+            }
+            self._save()
+            if previous is not None and previous["rounds"] != rnd:
+                (self.folder / f"call{call}.round{previous['rounds']}.npz").unlink(missing_ok=True)
+            crash_point("polifl_checkpoint", base + rnd)
+
+        resume = None
+        if partial is not None:
+            done = int(partial["rounds"])
+            with np.load(self.folder / f"call{call}.round{done}.npz", allow_pickle=False) as z:
+                weights = np.asarray(z["weights"], dtype=np.float32)
+
+            def rewind() -> None:
+                noise.bit_generator.state = partial["noise"]
+                if self.devices is not None and partial["devices"] is not None:
+                    restore_pool_rngs(self.devices.trainer, partial["devices"])
+
+            resume = StageResume(done, weights, rewind)
 
         def on_round(rnd: int, report: Any) -> None:
             check_deadline(self.deadline, f"job {self.run.name}")
@@ -778,8 +832,10 @@ class _Host:
             self.state.history.append(line)
             if self.on_round is not None:
                 self.on_round(line, lambda: {g.name: self.ledger.epsilon(g.name) for g in groups})
-            if self.stop is not None and rnd < stage.rounds:
-                self.stop.check()  # the stage's last round ends in its saved state first
+            if rnd < stage.rounds:  # the stage's last round ends in its saved state
+                checkpoint(rnd)
+                if self.stop is not None:
+                    self.stop.check()
 
         started = time.perf_counter()
         stage_run = run_stage(
@@ -791,9 +847,10 @@ class _Host:
             ledger=self.ledger,
             clip_norm=run.clip_norm,
             dp_mode=run.dp_mode,
-            rng=np.random.default_rng(run.seed + 100 + len(self.state.stages)),
+            rng=noise,
             on_round=on_round,
             model_spec=task.spec.to_json() if task.spec is not None else "",
+            resume=resume,
         )
         if self.network is not None:
             result = asyncio.run_coroutine_threadsafe(stage_run, self.network.loop).result()
@@ -801,6 +858,7 @@ class _Host:
             result = asyncio.run(stage_run)
         bar.close()
         self.state.round += stage.rounds
+        self.state.partial = None
         row.update(
             {
                 "seconds": time.perf_counter() - started,
@@ -996,8 +1054,9 @@ def run_polifl(
                 stop.check()
     except KeyboardInterrupt:
         raise RunInterrupted(
-            f"PoliFL run {run.name!r} interrupted in strategy {strategy}; the stages it finished are kept in "
-            f"{out / strategy.replace(':', '_')}, and the stage it was in starts again from its first round"
+            f"PoliFL run {run.name!r} interrupted in strategy {strategy}; the stages it finished and the "
+            f"checkpoint of the one it was in are kept in {out / strategy.replace(':', '_')}, and that stage "
+            "goes on after its last checkpointed round"
         ) from None
     return results
 
