@@ -13,6 +13,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuoteVerifier
@@ -30,6 +31,7 @@ from fedveil.enclave.secure_noise import (
 from fedveil.enclave.service import alg2_bytes
 from fedveil.errors import ConfigError
 from fedveil.privacy.accounting import Accountant, GaussianRelease
+from fedveil.protocols.fedavg import ClipAndNoise
 from fedveil.runtime.enclave_host import EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
 
@@ -219,3 +221,16 @@ def test_a_deployed_enclave_releases_grid_noise_a_simulated_one_seeded_noise() -
     assert np.array_equal(on_grid, np.round(on_grid))  # float32 keeps these grid points exactly
     seeded = released[5].astype(np.float64) / grid
     assert not np.array_equal(seeded, np.round(seeded))
+
+
+def test_clip_and_noise_with_secure_noise_leaves_the_seeded_generator_alone() -> None:
+    transform = ClipAndNoise(clip_norm=1.0, noise_std=2.0, cohort_size=4, secure_noise=True)
+    update = torch.full((DRAWS,), 1.0)
+    rng = np.random.default_rng(3)
+    before = rng.bit_generator.state
+    noisy = transform(update, rng)
+    assert rng.bit_generator.state == before  # the noise came from the CSPRNG, not the client's stream
+    clipped = update / math.sqrt(DRAWS)
+    noise = (noisy - clipped).double().numpy()
+    assert noisy.dtype == torch.float32 and noise.std() == pytest.approx(0.5, rel=0.05)
+    assert abs(noise.mean()) < 0.02

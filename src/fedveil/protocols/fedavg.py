@@ -50,6 +50,7 @@ from fedveil.core.aggregation import weighted_average
 from fedveil.core.communicator import ClientId, Communicator
 from fedveil.data.federated import FederatedDataset
 from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_max_upload_norm, check_upload
+from fedveil.enclave.secure_noise import SecureNoise
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import (
@@ -369,11 +370,18 @@ class ClipAndNoise:
     ``noise_std = z S`` the sum over the ``m`` clients of a round is the Gaussian mechanism with
     L2 sensitivity ``S`` (neighbouring relation: one client's whole update added or removed) and noise
     multiplier ``z / sqrt(m)`` on the mean; accounting is the caller's (:mod:`fedveil.privacy`).
+
+    ``secure_noise`` (for deployments): the noise is instead exact discrete Gaussian noise of the same
+    standard deviation on a power-of-two grid, from the OS's CSPRNG, added to the clipped update snapped
+    to that grid (:class:`~fedveil.enclave.secure_noise.SecureNoise`; it resists the attack on the
+    low-order bits of floating-point noise, and its epsilon is the ``rdp`` accountant's); a simulation
+    keeps the seeded generator, so its runs are reproducible.
     """
 
     clip_norm: float
     noise_std: float
     cohort_size: int = 1
+    secure_noise: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
@@ -389,7 +397,11 @@ class ClipAndNoise:
         clipped = delta * min(1.0, self.clip_norm / norm) if norm > 0 else delta
         if self.noise_std == 0:
             return clipped
-        noise = rng.normal(0.0, self.noise_std / self.cohort_size, size=delta.shape).astype(np.float32)
+        std = self.noise_std / self.cohort_size
+        if self.secure_noise:
+            noisy = SecureNoise().add_normal(clipped.detach().cpu().numpy(), std)
+            return torch.from_numpy(noisy.astype(np.float32))
+        noise = rng.normal(0.0, std, size=delta.shape).astype(np.float32)
         return clipped + torch.from_numpy(noise)
 
 
