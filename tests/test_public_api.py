@@ -5,6 +5,7 @@ accountant, records what the server saw, is reproducible and refuses bad argumen
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -78,6 +79,14 @@ def test_every_public_name_loads_from_the_module_that_defines_it() -> None:
     namespace: dict[str, object] = {}
     exec("from fedveil import *", namespace)
     assert set(fedveil.__all__) <= set(namespace)
+
+
+def test_each_public_name_is_in_the_all_of_the_module_it_comes_from() -> None:
+    for name in fedveil.__all__:
+        module_name, attr = fedveil._WHERE[name]
+        module = importlib.import_module(module_name)
+        assert attr in getattr(module, "__all__", ()), f"{module_name}.__all__ lacks {attr} (fedveil.{name})"
+    assert set(fedveil._WHERE) == set(fedveil.__all__)
 
 
 def test_a_name_that_is_not_public_says_where_the_public_names_are() -> None:
@@ -159,6 +168,30 @@ def test_train_fedavg_epsilon_is_the_privacy_calculators() -> None:
     assert privacy.epsilon_round < privacy.epsilon
     assert "clipped to L2 norm clip_norm" in privacy.mechanism and "Poisson" in privacy.mechanism
     assert json.loads(json.dumps(privacy.as_dict()))["epsilon"] == privacy.epsilon
+
+
+def test_train_fedavg_falls_back_to_rdp_where_the_pld_grid_would_be_too_fine() -> None:
+    data = _separable(clients=4, per_client=8)
+    dp = {"clip_norm": 1.0, "noise_multiplier": 0.2, "delta": 1e-5}
+    result = fedveil.train_fedavg(_mlp(), data, rounds=2, clients_per_round=2, lr=0.1, batch_size=4, **dp)
+    assert result.privacy is not None and result.privacy.accountant == "rdp"
+    expected = epsilon_of([GaussianRelease(0.2, 0.5, 2)], 1e-5, method="rdp")
+    assert result.epsilon == pytest.approx(expected, rel=1e-12)
+
+
+def test_train_fedavg_runs_its_rounds_on_the_fedavg_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    rounds: list[int] = []
+    run_round = fedveil.FedAvgEngine.run_round
+
+    async def spy(self: fedveil.FedAvgEngine, rnd: int, comm: object) -> object:
+        rounds.append(rnd)
+        return await run_round(self, rnd, comm)
+
+    monkeypatch.setattr(fedveil.FedAvgEngine, "run_round", spy)
+    fedveil.train_fedavg(
+        _mlp(), _separable(clients=4, per_client=8), rounds=3, clients_per_round=2, lr=0.1, batch_size=4
+    )
+    assert rounds == [1, 2, 3]
 
 
 def test_train_fedavg_is_reproducible_with_its_seed() -> None:
