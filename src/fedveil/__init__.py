@@ -18,6 +18,7 @@ from fedveil._version import __version__ as __version__
 if TYPE_CHECKING:
     from fedveil.api import FedAvgPrivacy, FedAvgResult, ServerUploads, load_config, run, train_fedavg
     from fedveil.attacks.dlg import dlg_attack
+    from fedveil.attacks.dp_audit import audit_mechanism
     from fedveil.attacks.idlg import idlg_attack
     from fedveil.attacks.inversion import evaluate_inversion
     from fedveil.attacks.inverting_gradients import inverting_gradients_attack
@@ -114,6 +115,7 @@ _SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fedveil.attacks.observe", ("WireObserver",)),
     ("fedveil.attacks.scores", ("AttackScores",)),
     ("fedveil.attacks.dlg", ("dlg_attack",)),
+    ("fedveil.attacks.dp_audit", ("audit_mechanism",)),
     ("fedveil.attacks.idlg", ("idlg_attack",)),
     ("fedveil.attacks.inversion", ("evaluate_inversion",)),
     ("fedveil.attacks.inverting_gradients", ("inverting_gradients_attack",)),
@@ -174,6 +176,7 @@ __all__ = [
     "WireObserver",
     "advance",
     "allows",
+    "audit_mechanism",
     "build_model",
     "calibrate_noise",
     "classes_per_client",
