@@ -22,8 +22,15 @@ import pytest
 from fedveil.cli import main
 from fedveil.enclave.layerwise import ParamSpec
 from fedveil.enclave.measure import EnclaveConfig
-from fedveil.errors import ValidationError
-from fedveil.experiments.checkpoint import CHECKPOINT, CRASH_ENV, Checkpoint, load_checkpoint, save_checkpoint
+from fedveil.errors import RunInterrupted, ValidationError
+from fedveil.experiments.checkpoint import (
+    CHECKPOINT,
+    CRASH_ENV,
+    Checkpoint,
+    StopRequested,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedveil.experiments.ppfl import runner as ppfl_runner
 from fedveil.runtime.enclave_host import EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
@@ -263,15 +270,12 @@ def test_the_e2e_baseline_killed_mid_run_resumes_from_its_checkpoint_to_the_unin
     assert [line["round"] for line in runs["whole"][1]] == [1, 2, 3, 4, 5, 6]
 
 
-class _PowerCut(Exception):
-    """A crash raised where the crash-test hook would kill the process."""
-
-
-def test_a_run_cut_off_after_the_final_round_with_the_classifier_kept_in_the_tees_resumes_to_the_same_end(
+def test_a_run_stopped_after_the_final_round_with_the_classifier_kept_in_the_tees_resumes_to_the_same_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The final stage's last round is checkpointed sealed too: with the TEEs keeping the classifier its
-    sealed layer is the only copy outside them, and the resumed run releases it and evaluates as the
+    sealed layer is the only copy outside them. A run stopped right after that checkpoint (Ctrl-C, here
+    raised where the crash-test hook sits) says so, and the resumed run releases it and evaluates as the
     uninterrupted run does, training no round again."""
     config = tmp_path / "kept.yaml"
     config.write_text(
@@ -283,17 +287,14 @@ def test_a_run_cut_off_after_the_final_round_with_the_classifier_kept_in_the_tee
     whole = ppfl_runner.run_ppfl(run, tmp_path / "whole", show_bar=False)
     passed: list[str] = []
 
-    def cut_at(point: str) -> None:
-        def hook(name: str, rnd: int) -> None:
-            passed.append(f"{name}:{rnd}")
-            if passed[-1] == point:
-                raise _PowerCut(point)
+    def hook(name: str, rnd: int) -> None:
+        passed.append(f"{name}:{rnd}")
+        if passed[-1] == "ppfl_checkpoint:6":
+            raise StopRequested
 
-        monkeypatch.setattr(ppfl_runner, "crash_point", hook)
-
+    monkeypatch.setattr(ppfl_runner, "crash_point", hook)
     out = tmp_path / "cut"
-    cut_at("ppfl_checkpoint:6")
-    with pytest.raises(_PowerCut):
+    with pytest.raises(RunInterrupted, match=r"after its last round 6, .* release and evaluation of its"):
         ppfl_runner.run_ppfl(run, out, show_bar=False)
     ckpt = load_checkpoint(out)
     assert ckpt is not None and ckpt.round == 6 and "sealed" in ckpt.arrays

@@ -300,6 +300,11 @@ def run_ppfl(
             return RunInterrupted(
                 f"PPFL run {run.name!r} interrupted before its first checkpoint: it starts again from round 1"
             )
+        if saved.meta.get("partial", {}).get("stopped"):
+            return RunInterrupted(
+                f"PPFL run {run.name!r} interrupted after its last round {saved.round}, whose checkpoint is "
+                f"in {out}: it goes on with the release and evaluation of its final stage"
+            )
         where = (
             f"stage {saved.meta['partial']['stage']} goes on with its layer as the enclave sealed it"
             if "partial" in saved.meta
