@@ -282,11 +282,16 @@ def test_train_fedavg_refuses_data_the_model_cannot_train_on() -> None:
     data = _separable(clients=2, per_client=4)
     with pytest.raises(ConfigError, match=r"does not accept client 'client00''s inputs of shape \(8,\)"):
         fedveil.train_fedavg(torch.nn.Linear(5, 2), data, rounds=1, clients_per_round=1, lr=0.1, batch_size=2)
-    with pytest.raises(ConfigError, match="has label 1, but the model has 1 outputs"):
+    with pytest.raises(ConfigError, match="client 'client01' has label 1, but the model has 1 outputs"):
         fedveil.train_fedavg(torch.nn.Linear(8, 1), data, rounds=1, clients_per_round=1, lr=0.1, batch_size=2)
     floats = fedveil.FederatedDataset([fedveil.UserData("u", {}, {"x": np.zeros((2, 8)), "y": np.zeros(2)})])
     with pytest.raises(ValidationError, match=r"client 'u'.*integer class label"):
         fedveil.train_fedavg(_mlp(), floats, rounds=1, clients_per_round=1, lr=0.1, batch_size=2)
+    negative = fedveil.FederatedDataset(
+        [fedveil.UserData("v", {}, {"x": np.zeros((1, 8)), "y": -np.ones(1, int)})]
+    )
+    with pytest.raises(ValidationError, match=r"client 'v' has label -1: class labels are 0, 1, 2"):
+        fedveil.train_fedavg(_mlp(), negative, rounds=1, clients_per_round=1, lr=0.1, batch_size=2)
     with pytest.raises(ConfigError, match="dataset must be a FederatedDataset"):
         fedveil.train_fedavg(_mlp(), [1, 2], rounds=1, clients_per_round=1, lr=0.1, batch_size=2)  # type: ignore[arg-type]
 

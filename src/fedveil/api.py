@@ -108,9 +108,8 @@ class FedAvgPrivacy:
     ``accountant`` named (PLD, or RDP below :data:`~fedveil.privacy.groups.PLD_MIN_Z`). ``noise_on``:
     ``"local"`` (each client adds a share of standard deviation ``noise_multiplier * clip_norm /
     sqrt(clients_per_round)`` to its clipped update; the shares sum to the stated noise, and one upload
-    seen alone carries only that share) or ``"central"``
-    (the server adds it to the sum; the uploads it sees are clipped, not noised). The mean local loss each
-    client reports with its upload is not covered.
+    seen alone carries only that share) or ``"central"`` (the server adds it to the sum; the uploads it
+    sees are clipped, not noised). The mean local loss each client reports with its upload is not covered.
     """
 
     mechanism: str
@@ -238,6 +237,7 @@ def _check_data(model: torch.nn.Module, dataset: FederatedDataset) -> None:
     otherwise be a silent dropout."""
     import torch
 
+    top = (-1, "")
     for uid in dataset.user_ids:
         x, y = dataset.array(uid, "x"), dataset.array(uid, "y")
         if len(x) == 0 or len(x) != len(y) or y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
@@ -245,8 +245,11 @@ def _check_data(model: torch.nn.Module, dataset: FederatedDataset) -> None:
                 f"client {uid!r} holds {len(x)} inputs x and labels y of shape {y.shape}, dtype {y.dtype}: "
                 "each client needs >= 1 input and one integer class label per input"
             )
+        if int(y.min()) < 0:
+            raise ValidationError(f"client {uid!r} has label {int(y.min())}: class labels are 0, 1, 2, ...")
+        top = max(top, (int(y.max()), uid))
     first = dataset.user_ids[0]
-    x, y = dataset.array(first, "x"), dataset.array(first, "y")
+    x = dataset.array(first, "x")
     probe = torch.from_numpy(np.array(x[:1], dtype=np.float32))
     try:
         with torch.no_grad():
@@ -258,9 +261,9 @@ def _check_data(model: torch.nn.Module, dataset: FederatedDataset) -> None:
     if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ConfigError(f"the model must map a batch to logits (batch, classes); it returned {got}")
-    if int(y.max()) >= logits.shape[1]:
+    if top[0] >= logits.shape[1]:
         raise ConfigError(
-            f"client {first!r} has label {int(y.max())}, but the model has {logits.shape[1]} outputs"
+            f"client {top[1]!r} has label {top[0]}, but the model has {logits.shape[1]} outputs"
         )
 
 
