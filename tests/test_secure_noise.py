@@ -31,9 +31,11 @@ from fedveil.enclave.secure_noise import (
 from fedveil.enclave.service import alg2_bytes
 from fedveil.errors import ConfigError
 from fedveil.privacy.accounting import Accountant, GaussianRelease
-from fedveil.protocols.fedavg import ClipAndNoise
+from fedveil.protocols.fedavg import ClipAndNoise, FitResult
+from fedveil.protocols.polifl import DPAggregate
 from fedveil.runtime.enclave_host import EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
+from fedveil.service.network import device_pool
 
 DRAWS = 20_000
 MIN_P_VALUE = 1e-6
@@ -234,3 +236,18 @@ def test_clip_and_noise_with_secure_noise_leaves_the_seeded_generator_alone() ->
     noise = (noisy - clipped).double().numpy()
     assert noisy.dtype == torch.float32 and noise.std() == pytest.approx(0.5, rel=0.05)
     assert abs(noise.mean()) < 0.02
+
+
+def test_polifl_central_noise_through_the_secure_sampler() -> None:
+    aggregate = DPAggregate(clip_norm=1.0, noise_std=2.0, rng=SecureNoise())
+    current = np.zeros(DRAWS, dtype=np.float32)
+    results = {f"d{i}": FitResult(current + np.float32(0.001 * i), 1) for i in range(4)}
+    new = aggregate(1, results, current)
+    noise = new.astype(np.float64) - np.mean([0.001 * i for i in range(4)])
+    assert new.dtype == np.float32 and noise.std() == pytest.approx(2.0 / 4, rel=0.05)
+
+
+def test_networked_policy_devices_draw_their_shares_securely() -> None:
+    x = np.zeros((4, 3), dtype=np.float32)
+    pool = device_pool("images", {"p1": {"x": x, "y": np.zeros(4, dtype=np.int64)}}, {"p1": "!0"})
+    assert pool.secure_noise is True

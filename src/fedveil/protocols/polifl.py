@@ -51,6 +51,7 @@ import torch
 from fedveil.core.communicator import ClientId, Communicator
 from fedveil.core.messages import message
 from fedveil.data.federated import FederatedDataset, UserData
+from fedveil.enclave.secure_noise import SecureNoise
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.groups import GroupLedger, noise_multiplier
@@ -435,9 +436,13 @@ class DPAggregate:
     S) + N(0, sigma^2)) / n`` over the ``n`` updates received. The server clips again in central mode
     (the bound must hold whatever a device sends); in local mode the noise is already in each update
     (re-clipping would clip the noise) and ``sigma`` here is 0. Without DP (``clip_norm=None``) it is
-    FedAvg's sample-weighted average."""
+    FedAvg's sample-weighted average. ``rng``: a seeded generator (simulation, float Gaussian noise) or,
+    for deployments, a :class:`~fedveil.enclave.secure_noise.SecureNoise` (the sum snapped to a
+    power-of-two grid plus exact discrete Gaussian noise from the OS's CSPRNG; epsilon by RDP)."""
 
-    def __init__(self, *, clip_norm: float | None, noise_std: float, rng: np.random.Generator) -> None:
+    def __init__(
+        self, *, clip_norm: float | None, noise_std: float, rng: np.random.Generator | SecureNoise
+    ) -> None:
         self.clip_norm = clip_norm
         self.noise_std = noise_std
         self.rng = rng
@@ -454,7 +459,9 @@ class DPAggregate:
                 norm = float(np.linalg.norm(delta))
                 delta = delta * min(1.0, self.clip_norm / norm) if norm > 0 else delta
             total += delta
-        if self.noise_std > 0:
+        if self.noise_std > 0 and isinstance(self.rng, SecureNoise):
+            total = self.rng.add_normal(total, self.noise_std)
+        elif self.noise_std > 0:
             total += self.rng.normal(0.0, self.noise_std, size=total.shape)
         return (current + total / len(results)).astype(np.float32)
 
@@ -472,7 +479,9 @@ class PolicyDevices:
     only by devices that accepted the current job, by a :class:`~fedveil.protocols.fedavg.ModelClients`
     over the pairs' values with the job's :class:`~fedveil.protocols.fedavg.ClipAndNoise`. With a
     ``builder`` (networked devices, which serve many jobs), each job's model comes from its
-    :class:`JobStart`'s spec; a spec the builder refuses is a refused job.
+    :class:`JobStart`'s spec; a spec the builder refuses is a refused job. ``secure_noise``: the devices'
+    noise shares (local DP mode) come from the secure sampler (``ClipAndNoise(secure_noise=True)``), as
+    networked devices' do; a simulation keeps each device's seeded generator.
     """
 
     def __init__(
@@ -487,6 +496,7 @@ class PolicyDevices:
         time_limit: float = 10.0,
         memory_limit: int = 1 << 30,
         builder: ModelBuilder | None = None,
+        secure_noise: bool = False,
     ) -> None:
         if flat is None and builder is None:
             raise ConfigError("devices need a model or a builder that makes each job's model from its spec")
@@ -501,6 +511,7 @@ class PolicyDevices:
         self.seed = seed
         self.loss = loss
         self.batched = batched
+        self.secure_noise = secure_noise
         self.prepared: dict[ClientId, DataPolicyPair] = {}
         self.trainer: ModelClients | None = None
 
@@ -565,7 +576,7 @@ class PolicyDevices:
         ]
         transform = None
         if job.clip_norm > 0:
-            transform = ClipAndNoise(job.clip_norm, job.local_noise_std, 1)
+            transform = ClipAndNoise(job.clip_norm, job.local_noise_std, 1, secure_noise=self.secure_noise)
         if users:
             assert self.flat is not None
             self.trainer = ModelClients(

@@ -145,7 +145,7 @@ def device_pool(
 ) -> Any:
     """The devices an agent hosts (module docstring): each device's ``data`` (``x``, ``y`` and, for sensor
     data, ``sensor_columns``) and its own policy (paper syntax), enforcing it on the device; models are
-    built only for ``kind`` data."""
+    built only for ``kind`` data. Their DP noise shares come from the secure sampler (a deployment)."""
     from fedveil.experiments.polifl.runner import TASKS, ModelSpec, task_model
     from fedveil.protocols.local import LocalOptimizer
     from fedveil.protocols.polifl import PolicyDevices
@@ -171,6 +171,7 @@ def device_pool(
         time_limit=program_seconds,
         memory_limit=program_memory,
         builder=builder,
+        secure_noise=True,
     )
 
 

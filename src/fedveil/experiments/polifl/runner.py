@@ -51,6 +51,7 @@ from tqdm import tqdm
 from fedveil.core.atomic import atomic_write
 from fedveil.core.communicator import Communicator
 from fedveil.core.provenance import code_identity
+from fedveil.enclave.secure_noise import SecureNoise
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.eval.plots import method_colours, save_png
 from fedveil.experiments.checkpoint import StopAtRoundEnd, crash_point, prepare_run_dir
@@ -787,7 +788,12 @@ class _Host:
         else:  # the ledger already holds the stage's rounds so far: its plan is the checkpoint's
             row = dict(partial["row"])
             stage = replace(stage_of(groups, rounds), rounds=int(row["rounds"]))
-        noise = np.random.default_rng(run.seed + 100 + len(self.state.stages))
+        # networked devices are a deployment: the server's central noise then comes from the secure sampler
+        noise: np.random.Generator | SecureNoise = (
+            SecureNoise()
+            if self.network is not None
+            else np.random.default_rng(run.seed + 100 + len(self.state.stages))
+        )
         bar = tqdm(
             total=stage.rounds, desc=f"{self.strategy} {stage.name}", disable=not self.progress, leave=False
         )
@@ -801,7 +807,7 @@ class _Host:
                 "call": call,
                 "rounds": rnd,
                 "row": row,
-                "noise": noise.bit_generator.state,
+                "noise": noise.bit_generator.state if isinstance(noise, np.random.Generator) else None,
                 "devices": None if self.devices is None else pool_rng_states(self.devices.trainer),
             }
             self._save()
@@ -816,7 +822,8 @@ class _Host:
                 weights = np.asarray(z["weights"], dtype=np.float32)
 
             def rewind() -> None:
-                noise.bit_generator.state = partial["noise"]
+                if isinstance(noise, np.random.Generator) and partial["noise"] is not None:
+                    noise.bit_generator.state = partial["noise"]
                 if self.devices is not None and partial["devices"] is not None:
                     restore_pool_rngs(self.devices.trainer, partial["devices"])
 
