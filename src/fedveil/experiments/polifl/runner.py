@@ -567,7 +567,10 @@ class _Host:
             _State(**json.loads(self.state_path.read_text())) if self.state_path.exists() else _State()
         )
         self.groups = {g.name: g for g in _groups(run, task)}
-        self.ledger = GroupLedger(list(self.groups), delta=run.delta, method=run.accounting)
+        # networked runs add discrete Gaussian noise (the secure sampler): its RDP curve is the continuous
+        # Gaussian's, its exact privacy loss distribution is not, so they are accounted by RDP
+        method = "rdp" if network is not None else run.accounting
+        self.ledger = GroupLedger(list(self.groups), delta=run.delta, method=method)
         if self.state.ledger is not None:
             self.ledger.restore(self.state.ledger)
         self.optimizer = LocalOptimizer("sgd", run.lr)
