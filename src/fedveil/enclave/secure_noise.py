@@ -95,6 +95,10 @@ def _words(n: int) -> np.ndarray:
     return np.frombuffer(secrets.token_bytes(8 * n), dtype=np.uint64)
 
 
+_INT64_BELOW = 2**53
+"""Integers below this run in int64: Alg. 1's ``den * k`` stays far from overflow for any ``k`` its
+series reaches; larger ones run as Python ints (exact, slower)."""
+
 _SCREEN = 2.0**-48  # relative margin of the float screen; float64 errors here stay below 2^-50
 
 
@@ -151,9 +155,9 @@ def bernoulli_exp(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 
 
 def _uniform_below(t: int, n: int) -> np.ndarray:
-    """``n`` exact uniform integers in ``[0, t)`` (rejection from CSPRNG words); int64 for ``t < 2^62``,
-    else Python ints in an object array."""
-    if t >= 2**62:
+    """``n`` exact uniform integers in ``[0, t)`` (rejection from CSPRNG words); int64 below
+    :data:`_INT64_BELOW`, else Python ints in an object array."""
+    if t >= _INT64_BELOW:
         return np.array([secrets.randbelow(t) for _ in range(n)], dtype=object)
     mask = np.uint64((1 << t.bit_length()) - 1)
     out = np.empty(n, dtype=np.int64)
@@ -168,8 +172,8 @@ def _uniform_below(t: int, n: int) -> np.ndarray:
 
 def _discrete_laplace(s: int, t: int, n: int) -> np.ndarray:
     """CKS20 Alg. 2, all ``n`` draws together: ``P[Y = y] ∝ exp(-|y| s / t)`` for integers ``s, t >= 1``
-    (int64 while ``t < 2^62``, else an object array of Python ints)."""
-    out = np.zeros(n, dtype=np.int64 if t < 2**62 else object)
+    (int64 below :data:`_INT64_BELOW`, else an object array of Python ints)."""
+    out = np.zeros(n, dtype=np.int64 if t < _INT64_BELOW else object)
     todo = np.arange(n)
     while todo.size:
         u = _uniform_below(t, todo.size)
