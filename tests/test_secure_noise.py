@@ -251,3 +251,9 @@ def test_networked_policy_devices_draw_their_shares_securely() -> None:
     x = np.zeros((4, 3), dtype=np.float32)
     pool = device_pool("images", {"p1": {"x": x, "y": np.zeros(4, dtype=np.int64)}}, {"p1": "!0"})
     assert pool.secure_noise is True
+
+
+def test_discrete_laplace_beyond_int64_scales() -> None:
+    scale = float(2**60) + 2.0**10  # integers past 2^53 run as exact Python ints
+    y = discrete_laplace(scale, 4000).astype(np.float64) / scale
+    assert abs(np.abs(y).mean() - 1.0) < 0.15 and abs(y.mean()) < 0.15
