@@ -157,6 +157,8 @@ def test_bad_parameters_name_the_value() -> None:
         discrete_gaussian(float("nan"), 3)
     with pytest.raises(ConfigError, match=r"grid 0\.3 must be a power of two"):
         SecureNoise(grid=0.3)
+    with pytest.raises(ConfigError, match="below 2\\^56"):
+        discrete_laplace(2.0**60, 3)
     with pytest.raises(ConfigError, match="size 100000000"):
         discrete_laplace(1.0, 100_000_000)
 
@@ -254,6 +256,6 @@ def test_networked_policy_devices_draw_their_shares_securely() -> None:
 
 
 def test_discrete_laplace_beyond_int64_scales() -> None:
-    scale = float(2**60) + 2.0**10  # integers past 2^53 run as exact Python ints
+    scale = float(2**55) + 2.0**10  # integers past 2^53 run as exact Python ints
     y = discrete_laplace(scale, 4000).astype(np.float64) / scale
     assert abs(np.abs(y).mean() - 1.0) < 0.15 and abs(y.mean()) < 0.15

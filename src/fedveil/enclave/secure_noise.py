@@ -198,6 +198,8 @@ def discrete_laplace(scale: float | Fraction, size: int) -> np.ndarray:
     """``size`` i.i.d. integers with ``P[Y = y] ∝ exp(-|y| / scale)`` (``scale`` rational > 0, a float is
     taken exactly), as int64 (CKS20 Alg. 2 with ``s / t = 1 / scale``)."""
     sc = _fraction(scale, "discrete Laplace scale")
+    if sc >= 2**56:
+        raise ConfigError(f"discrete Laplace scale {scale!r} must be below 2^56, so that draws fit int64")
     n = _count(size)
     return _discrete_laplace(sc.denominator, sc.numerator, n).astype(np.int64)
 
@@ -207,6 +209,8 @@ def discrete_gaussian(sigma_squared: float | Fraction, size: int) -> np.ndarray:
     > 0, a float is taken exactly), as int64 (CKS20 Alg. 3: discrete Laplace proposals of scale ``t =
     floor(sigma) + 1``, each accepted with ``Bernoulli(exp(-(|Y| - sigma^2 / t)^2 / (2 sigma^2)))``)."""
     s2 = _fraction(sigma_squared, "discrete Gaussian sigma^2")
+    if s2 >= 2**100:
+        raise ConfigError(f"discrete Gaussian sigma^2 {sigma_squared!r} must be below 2^100 (int64 draws)")
     n = _count(size)
     a, b = s2.numerator, s2.denominator
     t = math.isqrt(a // b) + 1  # floor(sigma) + 1
