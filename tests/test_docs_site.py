@@ -150,7 +150,8 @@ def test_tutorial_runs_as_written(name: str, tmp_path: Path) -> None:
             script.write_text(code, "utf-8")
             command = [sys.executable, str(script)]
         done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, (
+        # a traceback on stderr is a failure even where the block's process exits 0 (a child process's)
+        assert done.returncode == 0 and "Traceback (most recent call last)" not in done.stderr, (
             f"{page.name}, block {i + 1} ({lang}) failed:\n{code}\n--- stdout\n{done.stdout[-3000:]}"
             f"\n--- stderr\n{done.stderr[-3000:]}"
         )
