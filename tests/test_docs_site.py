@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import importlib.util
 import os
 import re
 import subprocess
@@ -37,6 +38,18 @@ def test_tutorial_blocks_are_found_in_order(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("intro\n```bash\necho one\n```\n```text\nout\n```\n```python\nprint(2)\n```\n", "utf-8")
     assert tutorial_blocks(page) == [("bash", "echo one\n"), ("python", "print(2)\n")]
+
+
+def test_citations_in_code_and_links_are_left_alone() -> None:
+    spec = importlib.util.spec_from_file_location("papers_hook", DOCS / "_hooks" / "papers.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    html = '<p>[FDML], <code>[PPFL]</code>, <a href="x">[AIoT]</a><br/>[Other]</p><pre>[FedUV]</pre>[PoliFL]'
+    assert hook.link_citations(html, "../papers/") == (
+        '<p><a href="../papers/#fdml">[FDML]</a>, <code>[PPFL]</code>, <a href="x">[AIoT]</a><br/>[Other]</p>'
+        '<pre>[FedUV]</pre><a href="../papers/#polifl">[PoliFL]</a>'
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,19 +131,29 @@ def _internal_links(page, base: str) -> set[str]:
     return links
 
 
-def test_no_broken_internal_link_in_a_browser(served: str, chromium_page) -> None:
+def test_no_broken_internal_link_nor_outside_request_in_a_browser(served: str, chromium_page) -> None:
     page = chromium_page
     checked: dict[str, int] = {}
+    outside: list[str] = []
+
+    def record(request) -> None:
+        if urlparse(request.url).netloc != urlparse(served).netloc:
+            outside.append(request.url)
+
+    page.on("request", record)
     for path in ("", "tutorials/fdml/", "api/"):
         response = page.goto(urljoin(served, path))
+        page.wait_for_load_state("networkidle")
         assert response is not None and response.status == 200, path
         assert page.locator("article h1").count() >= 1, f"{path}: no page content rendered"
         links = _internal_links(page, served)
         assert len(links) > 10, f"{path}: only {len(links)} internal links (is the nav rendered?)"
         for link in sorted(links - checked.keys()):
             checked[link] = page.request.get(link).status
+    page.remove_listener("request", record)
     broken = {link: status for link, status in checked.items() if status != 200}
     assert not broken, f"broken internal links: {broken}"
+    assert not outside, f"the site fetched from outside the machine: {outside}"
 
 
 @pytest.mark.parametrize("name", TUTORIALS)
