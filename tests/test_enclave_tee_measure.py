@@ -24,10 +24,11 @@ from fedveil.errors import ConfigError
 
 
 def _copy_package(dest: Path) -> Path:
-    """A copy of the trusted files (the enclave package, fedveil/__init__.py, fedveil/errors.py)."""
+    """A copy of the trusted files (the enclave package, fedveil/__init__.py, fedveil/_version.py,
+    fedveil/errors.py)."""
     src = package_root()
     shutil.copytree(src / "fedveil" / "enclave", dest / "fedveil" / "enclave")
-    for name in ("__init__.py", "errors.py"):
+    for name in ("__init__.py", "_version.py", "errors.py"):
         shutil.copy2(src / "fedveil" / name, dest / "fedveil" / name)
     return dest
 
@@ -53,10 +54,9 @@ def test_measurement_matches_the_documented_formula() -> None:
 def test_trusted_files_cover_the_enclave_package_and_nothing_cached() -> None:
     files = trusted_files()
     assert "fedveil/enclave/service.py" in files and "fedveil/enclave/measure.py" in files
-    assert "fedveil/__init__.py" in files and "fedveil/errors.py" in files
-    assert all(
-        f.startswith("fedveil/enclave/") or f in ("fedveil/__init__.py", "fedveil/errors.py") for f in files
-    )
+    shared = ("fedveil/__init__.py", "fedveil/_version.py", "fedveil/errors.py")
+    assert set(shared) <= set(files)
+    assert all(f.startswith("fedveil/enclave/") or f in shared for f in files)
     assert not any("__pycache__" in f or f.endswith(".pyc") for f in files)
     assert files == sorted(files)
 

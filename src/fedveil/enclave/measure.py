@@ -12,9 +12,9 @@ big-endian)::
              | u32 len(config) | config )
 
 where ``config`` is :meth:`EnclaveConfig.canonical_json`. The trusted files are every file of the
-``fedveil/enclave/`` package (recursively; ``__pycache__`` excluded, see ``docs/tee.md``) plus the two
-files of ``fedveil`` that the enclave process executes: ``fedveil/__init__.py`` and
-``fedveil/errors.py``. Paths are relative to the directory that holds the ``fedveil`` package, so
+``fedveil/enclave/`` package (recursively; ``__pycache__`` excluded, see ``docs/tee.md``) plus the three
+files of ``fedveil`` that the enclave process executes: ``fedveil/__init__.py``, ``fedveil/_version.py``
+and ``fedveil/errors.py``. Paths are relative to the directory that holds the ``fedveil`` package, so
 the same code measures the same anywhere on disk, and changing any byte of any trusted file, or any
 configuration value, changes the measurement.
 """
@@ -37,7 +37,7 @@ MIN_MEMORY_LIMIT_BYTES = 2**20
 TRIPLET_STRATEGIES = ("batch-all", "semi-hard")
 MEASUREMENT_DOMAIN = b"fedveil-enclave-measurement/v1"
 ENCLAVE_PACKAGE = "fedveil/enclave"
-SHARED_TRUSTED_FILES = ("fedveil/__init__.py", "fedveil/errors.py")
+SHARED_TRUSTED_FILES = ("fedveil/__init__.py", "fedveil/_version.py", "fedveil/errors.py")
 """Files outside the enclave package that the enclave process runs (the parent package and the errors)."""
 
 _U32 = struct.Struct(">I")
@@ -157,7 +157,7 @@ class Measurement:
 def trusted_files(root: Path | None = None) -> list[str]:
     """Relative paths (sorted, ``/``-separated) of the trusted files under ``root`` (default:
     :func:`package_root`): every file of ``fedveil/enclave/`` except ``__pycache__``, plus
-    ``fedveil/__init__.py`` and ``fedveil/errors.py``."""
+    ``fedveil/__init__.py``, ``fedveil/_version.py`` and ``fedveil/errors.py``."""
     base = package_root() if root is None else Path(root)
     enclave_dir = base / ENCLAVE_PACKAGE
     if not enclave_dir.is_dir():
