@@ -262,6 +262,29 @@ def test_a_wrong_set_fails_before_training_in_one_line(
     assert not (tmp_path / "run").exists()
 
 
+#: The setting of each system that finishes in about a minute on a 2-core machine, as its command runs it.
+QUICK = {
+    "demo": ["demo"],
+    "feduv": ["feduv", "run", "--config", str(ROOT / "configs" / "feduv" / "quick.yaml")],
+    "aiot": ["aiot", "run", str(ROOT / "configs" / "aiot" / "quick.yaml")],
+    "ppfl": ["ppfl", "run", str(ROOT / "configs" / "ppfl" / "quick.yaml")],
+    "polifl": ["polifl", "run", str(ROOT / "configs" / "polifl" / "small.yaml"), "--set", "threads=1"],
+}
+
+
+@pytest.mark.parametrize("system", sorted(QUICK))
+def test_each_system_has_a_minute_setting_whose_time_says_where_it_was_measured(
+    system: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _stub_runner(monkeypatch, system)
+    with pytest.raises(_Started):  # the setting loads and reaches training
+        main([*QUICK[system], "--out", str(tmp_path / "run")])
+    where = Path(QUICK[system][-3] if system == "polifl" else QUICK[system][-1])
+    text = (ROOT / "src" / "fedveil" / "configs" / "demo.yaml" if system == "demo" else where).read_text()
+    measured = re.search(r"(\d+) s wall .* 2-core machine at load average [\d.-]+", text.replace("\n#", ""))
+    assert measured and int(measured.group(1)) <= 90, "a measured time, with the machine and its load"
+
+
 # --- every documented command line parses ----------------------------------------------------------------
 
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")

@@ -31,7 +31,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("aiot", help="AIoT face verification with a private projector")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = actions.add_parser("run", help="Tables 1-2: fine-tune with private projectors, TAR@FAR over trials")
-    r.add_argument("config", type=Path, help="YAML settings, e.g. configs/aiot/small.yaml")
+    r.add_argument(
+        "config", type=Path, help="YAML settings, e.g. configs/aiot/quick.yaml (about a minute) or small.yaml"
+    )
     add_run_arguments(r)
     r.add_argument("--trials", type=int, help="trials per method (default: the config's)")
     r.add_argument("--methods", help="comma-separated methods (default: the config's)")

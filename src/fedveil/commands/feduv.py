@@ -33,7 +33,12 @@ def register(subparsers: Any) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = actions.add_parser("run", help="train and evaluate the methods; write a run directory")
     r.add_argument("--scale", choices=("small", "paper"), default="small", help="preset (default: small)")
-    r.add_argument("--config", type=Path, default=None, help="YAML of run settings laid over the preset")
+    r.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML of run settings laid over the preset, e.g. configs/feduv/quick.yaml (about a minute)",
+    )
     r.add_argument("--methods", default=None, help="comma-separated subset of feduv,fedaws,softmax")
     r.add_argument("--code-lengths", default=None, help="FedUV code lengths (default: 127,255,511)")
     r.add_argument("--rounds", type=int, default=None, help="training rounds")

@@ -54,7 +54,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("ppfl", help="PPFL: layer-wise federated training in client and server TEEs")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     r = actions.add_parser("run", help="train PPFL (and the E2E FedAvg baseline); write a run directory")
-    r.add_argument("config", type=Path, help="YAML settings, e.g. configs/ppfl/small.yaml")
+    r.add_argument(
+        "config", type=Path, help="YAML settings, e.g. configs/ppfl/quick.yaml (about a minute) or small.yaml"
+    )
     r.add_argument("--rounds", type=int, default=None, help="rounds per layer (overrides the config)")
     r.add_argument("--no-e2e", action="store_true", help="skip the end-to-end FedAvg baseline")
     r.add_argument("--threads", type=int, default=None, help="torch threads (overrides the config)")
