@@ -40,11 +40,27 @@ def test_tutorial_blocks_are_found_in_order(tmp_path: Path) -> None:
     assert tutorial_blocks(page) == [("bash", "echo one\n"), ("python", "print(2)\n")]
 
 
-def test_citations_in_code_and_links_are_left_alone() -> None:
+def _hook():
+    """The site's MkDocs hook module (``docs/_hooks/papers.py``, which ``mkdocs.yml`` names)."""
     spec = importlib.util.spec_from_file_location("papers_hook", DOCS / "_hooks" / "papers.py")
     assert spec is not None and spec.loader is not None
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
+    return hook
+
+
+def test_sphinx_roles_become_optional_cross_references() -> None:
+    html = ":class:<code>~fedveil.errors.ConfigError</code>, :meth:<code>Foo.run</code>, "
+    html += ":func:<code>run</code>"
+    assert _hook().link_roles(html) == (
+        '<autoref identifier="fedveil.errors.ConfigError" optional><code>ConfigError</code></autoref>, '
+        '<autoref identifier="Foo.run" optional><code>Foo.run</code></autoref>, '
+        '<autoref identifier="run" slug="fedveil.run" optional><code>run</code></autoref>'
+    )
+
+
+def test_citations_in_code_and_links_are_left_alone() -> None:
+    hook = _hook()
     html = '<p>[FDML], <code>[PPFL]</code>, <a href="x">[AIoT]</a><br/>[Other]</p><pre>[FedUV]</pre>[PoliFL]'
     assert hook.link_citations(html, "../papers/") == (
         '<p><a href="../papers/#fdml">[FDML]</a>, <code>[PPFL]</code>, <a href="x">[AIoT]</a><br/>[Other]</p>'
@@ -101,6 +117,12 @@ def test_paper_citations_link_to_the_papers_page(site: Path) -> None:
         assert f'id="{tag}"' in papers, tag
     tutorial = (site / "tutorials" / "fdml" / "index.html").read_text("utf-8")
     assert '<a href="../../papers/#fdml">[FDML]</a>' in tutorial
+
+
+def test_docstring_roles_are_rendered_as_cross_references(site: Path) -> None:
+    api = (site / "api" / "index.html").read_text("utf-8")
+    assert not re.search(r":(?:func|class|meth|mod|attr|data|exc|obj):<code>", api)
+    assert "autorefs-internal" in api
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
