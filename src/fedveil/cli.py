@@ -56,8 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     name = args.command
+    from fedveil.runtime.threads import blas_threads  # numpy: not needed for --help
+
     try:
-        return int(args.func(args) or 0)
+        with blas_threads():  # numpy's BLAS on purpose, not one spinning worker per core
+            return int(args.func(args) or 0)
     except RunInterrupted as exc:
         print(f"fedveil {name}: {exc}; continue with: {continue_command(argv, args)}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from fedveil.errors import ConfigError
 from fedveil.experiments.bench.enclave import PAPER_TABLE_V_SECONDS, clustered_embeddings
 from fedveil.runtime.enclave_host import EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
+from fedveil.runtime.threads import thread_settings
 
 
 def bench_enclave_boundary(
@@ -116,6 +117,7 @@ def bench_enclave_boundary(
                     "max_abs_diff": float(np.max(np.abs(ours - want))) if ours.size else 0.0,
                     "paper_table_v_s": PAPER_TABLE_V_SECONDS.get(count),
                     "repeats": repeats,
+                    "threads": thread_settings(),
                 }
             )
     return rows

@@ -12,15 +12,13 @@ call), and ``max_rel_err`` = ``max |g - g_ref| / max |g_ref|`` against the float
 reference over the enumerated triplets on the same data (``None``, with the reason in ``reference``,
 where that enumeration does not fit in ``reference_limit`` bytes).
 
-The matrix products run in numpy's BLAS. On a machine shared with other busy processes, OpenBLAS's
-worker threads spin and can make the wall time many times the CPU time: compare ``seconds`` with
-``cpu_seconds``, and set ``OPENBLAS_NUM_THREADS=1`` before starting Python to time one core (each row
-records that variable).
+The matrix products run in numpy's BLAS, with the threads the caller set (``fedveil bench`` runs with
+:func:`fedveil.runtime.threads.blas_threads`: one by default, ``FEDVEIL_BLAS_THREADS`` to change it);
+each row records them in ``threads`` (:func:`fedveil.runtime.threads.thread_settings`).
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 import tracemalloc
@@ -36,6 +34,7 @@ from fedveil.experiments.fdml.triplet_reference import (
     reference_fits,
     reference_loss_and_derivatives,
 )
+from fedveil.runtime.threads import thread_settings
 
 __all__ = ["PAPER_TABLE_V_SECONDS", "bench_enclave", "clustered_embeddings"]
 
@@ -129,8 +128,7 @@ def bench_enclave(
                 "max_rel_err": max_rel_err,
                 "reference": reference,
                 "paper_seconds": PAPER_TABLE_V_SECONDS.get(count),
-                "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
-                "cpu_count": os.cpu_count(),
+                "threads": thread_settings(),
             }
         )
     return rows

@@ -37,6 +37,7 @@ from fedveil.runtime.network import certs
 from fedveil.runtime.network.agent import AgentHost
 from fedveil.runtime.network.server import NetworkRuntime
 from fedveil.runtime.simulation import LatencyModel, SimulationRuntime
+from fedveil.runtime.threads import thread_settings
 
 
 @message("bench.net.weights")
@@ -186,6 +187,7 @@ def bench_network(
         "certificate_seconds": cert_seconds,
         "server_peak_rss_bytes": result["rss"],
         "cpus": os.cpu_count(),
+        "threads": thread_settings(),
     }
 
 

@@ -38,6 +38,7 @@ from fedveil.core.heap import retain_freed_memory
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.runner import EMBEDDING_DIM, build_population, build_trainer
+from fedveil.runtime.threads import thread_settings
 
 
 def bench_rounds(
@@ -120,6 +121,7 @@ def bench_rounds(
         "samples": samples,
         "batched": batched,
         "threads": threads,
+        "thread_settings": thread_settings(),
         "warmup_rounds": warmup,
         "rounds_per_second": rate,
         "rounds_per_second_runs": rates,
