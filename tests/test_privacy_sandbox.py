@@ -4,6 +4,10 @@ allocation or an endless loop ends the program's child process, not the caller."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -298,3 +302,21 @@ def test_a_program_cannot_reach_an_arrays_memory_or_files() -> None:
     ]
     with pytest.raises(SandboxError, match="'ctypes' is not available"):
         run_program(compile_program("def main(a):\n    return a.ctypes.data\n"), "main", np.ones(4))
+
+
+def test_a_child_that_dies_starting_is_the_hosts_error_not_the_programs_stop(tmp_path: Path) -> None:
+    """Called from a script with no ``__main__`` guard, the forkserver child re-runs the script and dies
+    before the program starts: that is a :class:`SandboxStartError` naming the fix, never a
+    :class:`SandboxError` that a runner would record as the program's stop and carry on from."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from fedveil.privacy.sandbox import SandboxError, compile_program, run_program\n"
+        "try:\n"
+        "    run_program(compile_program('def main():\\n    return 1\\n', 'p'), 'main')\n"
+        "except SandboxError as exc:\n"
+        "    raise SystemExit(f'taken for the program: {exc}')\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "taken for the program" not in proc.stdout + proc.stderr
+    assert "SandboxStartError" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr

@@ -96,6 +96,11 @@ class HostError(FedveilError):
     """A host function refused a program's call (its message says why)."""
 
 
+class SandboxStartError(FedveilError):
+    """The sandbox's child process failed before the program ran: a fault of the host, not of the
+    program, so it is never a :class:`SandboxError` (which a caller may treat as the program's stop)."""
+
+
 class DeadlineExceeded(SandboxError):
     """A program ran past its ``deadline`` (:func:`run_program`), its host calls counted. A host
     function raises it to stop the program: it never reaches the program as a :class:`HostError`."""
@@ -462,6 +467,16 @@ def run_program(
             check_deadline(deadline, f"program {program.name}")
             parent.send_bytes(json.dumps(_serve(host or {}, reply, table)).encode())
     except EOFError:
+        proc.join(timeout=5.0)
+        if proc.exitcode is not None and proc.exitcode > 0:
+            # the child ends with os._exit(0) once it has started the program; a positive code means it
+            # died starting (a signal gives a negative one: the program's limits)
+            raise SandboxStartError(
+                f"the sandbox process for program {program.name} exited with code {proc.exitcode} before "
+                "the program ran (its error is on stderr); if this was called from a script, put the call "
+                'under `if __name__ == "__main__":`, since the sandbox\'s forkserver re-imports the main '
+                "module"
+            ) from None
         raise SandboxError(
             f"program {program.name} was stopped (exit code {proc.exitcode}): a limit was exceeded"
         ) from None
