@@ -262,6 +262,38 @@ def test_a_wrong_set_fails_before_training_in_one_line(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("system", "options", "message"),
+    [
+        (
+            "aiot",
+            ["--methods", "ours", "--set", "solo_devices=3"],
+            "solo_devices=3 has no effect: only the solo",
+        ),
+        ("ppfl", ["--set", "reach_e2e_rounds=2", "--no-e2e"], "e2e=False has no effect: reach_e2e_rounds"),
+        (
+            "feduv",
+            ["--set", "methods=[softmax]", "--set", "code_lengths=[255]"],
+            "code_lengths=[255] has no effect",
+        ),
+        ("polifl", ["--set", "program=x = 1"], "program='x = 1' has no effect: only the 'program' strategy"),
+    ],
+)
+def test_a_set_the_setting_ignores_is_refused_before_training(
+    system: str,
+    options: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _stub_runner(monkeypatch, system)
+    name, words, _, _ = RUN_COMMANDS[system]
+    assert main([*words, *options, "--out", str(tmp_path / "run")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fedveil {name}: error: ") and message in lines[0], lines
+
+
 #: The setting of each system that finishes in about a minute on a 2-core machine, as its command runs it.
 QUICK = {
     "demo": ["demo"],
