@@ -320,7 +320,10 @@ def test_each_system_has_a_minute_setting_whose_time_says_where_it_was_measured(
 # --- every documented command line parses ----------------------------------------------------------------
 
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
-SHELLS = {"", "bash", "sh", "shell", "console", "shell-session", "zsh"}
+SCRIPTS = {"", "bash", "sh", "shell", "zsh"}
+SESSIONS = {"console", "shell-session"}  # commands are the lines after a "$ " prompt; the rest is output
+#: A line of a command's output, not a command: ``fedveil run: error: ...``, ``fedveil demo: FDML, ...``.
+OUTPUT = re.compile(r"^fedveil [\w-]+:")
 #: A placeholder: <anything> or a word in capitals (CONFIG, NAME, HOST:PORT, ...), replaced by a sample.
 ANGLE = re.compile(r"<[^<>\n]+>")
 CAPITALS = re.compile(r"^[A-Z][A-Z0-9_]*(?:[:=][A-Z][A-Z0-9_]*)*$")
@@ -329,31 +332,39 @@ SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "<", "2>", "2>&1", "&>"
 
 def documented_commands(root: Path = ROOT) -> list[tuple[str, list[str]]]:
     """``(where, words)`` of every ``fedveil ...`` line in a shell or plain fenced block of README.md and
-    docs/**/*.md: continuation lines joined, ``$`` prompts, comments and what follows a shell operator
-    dropped, placeholders replaced by a sample value (``1``)."""
+    docs/**/*.md (in a console block, only after a ``$`` prompt; a command's own output, as
+    ``fedveil run: error: ...``, is no command): continuation lines joined, ``$`` prompts, comments and
+    what follows a shell operator dropped, placeholders replaced by a sample value (``1``)."""
     found = []
     for path in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
         if not path.is_file():
             continue
         lines = path.read_text(encoding="utf-8").splitlines()
         fence: str | None = None
-        shell = False
+        kind = "other"
         pending, start = "", 0
         for number, line in enumerate(lines, 1):
             match = FENCE.match(line)
             if fence is None:
                 if match:
-                    fence, shell = match.group(1), match.group(2).lower() in SHELLS
+                    language = match.group(2).lower()
+                    fence = match.group(1)
+                    kind = "script" if language in SCRIPTS else "session" if language in SESSIONS else "other"
                 continue
             if match and match.group(1).startswith(fence) and not match.group(2):
                 fence = None
                 continue
-            if not shell:
+            if kind == "other":
                 continue
             text = line.strip()
             if not pending:
-                text = text[2:] if text.startswith("$ ") else text
-                if not text.startswith("fedveil "):
+                prompted = text.startswith("$ ")
+                text = text[2:] if prompted else text
+                if (
+                    not text.startswith("fedveil ")
+                    or OUTPUT.match(text)
+                    or (kind == "session" and not prompted)
+                ):
                     continue
                 start = number
             pending = f"{pending} {text}".strip()
@@ -392,6 +403,13 @@ $ fedveil run configs/table1_fdml.yaml   # one experiment
 fedveil ppfl run <config> --rounds N \\
     --json | tee out.json
 echo fedveil is not the first word
+fedveil run: error: rounds: expected an integer, got 'many'
+```
+
+```console
+$ fedveil demo --set rounds=5
+fedveil demo: FDML, 5 rounds of 64 users x 8 samples on the synthetic TouchAuth population
+fedveil and its output
 ```
 
 ```python
@@ -413,6 +431,7 @@ def test_the_extractor_reads_shell_blocks_only() -> None:
     assert documented_commands_of(_SAMPLE) == [
         ("README.md:4", ["run", "configs/table1_fdml.yaml"]),
         ("README.md:5", ["ppfl", "run", "1", "--rounds", "1", "--json"]),
+        ("README.md:12", ["demo", "--set", "rounds=5"]),
     ]
 
 
