@@ -141,7 +141,7 @@ def add_run_dir_arguments(parser: Any) -> None:
 def add_run_arguments(parser: Any, *, out_default: Path | None = None) -> None:
     """Add the options every system's ``run`` (and ``demo``) shares to ``parser``: ``--out`` (default
     ``out_default``, else ``runs/<the config's name>``), ``--set KEY=VALUE`` (repeatable, into
-    ``overrides``), ``--seed``, ``--no-progress`` and ``--resume`` / ``--overwrite``
+    ``overrides``), ``--seed``, ``--no-progress``, ``--device`` and ``--resume`` / ``--overwrite``
     (:func:`add_run_dir_arguments`). :func:`run_sets` gives the overrides they ask for."""
     where = f"default: {out_default}" if out_default is not None else "default: runs/<name>"
     parser.add_argument("--out", type=Path, default=out_default, help=f"run directory ({where})")
@@ -156,13 +156,21 @@ def add_run_arguments(parser: Any, *, out_default: Path | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="the config's seed (same as --set seed=S)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="where training runs: auto (CUDA when available), cpu, cuda or cuda:N "
+        "(same as --set device=D)",
+    )
     add_run_dir_arguments(parser)
 
 
 def run_sets(args: Any) -> list[str]:
-    """The ``--set`` items of a command that has :func:`add_run_arguments`, with ``--seed S`` as the
-    last one (``seed=S``: it wins over a ``--set seed=...``)."""
-    return [*args.overrides, *([] if args.seed is None else [f"seed={args.seed}"])]
+    """The ``--set`` items of a command that has :func:`add_run_arguments`, with ``--seed S`` and
+    ``--device D`` last (``seed=S``, ``device=D``: they win over a ``--set seed=...`` or ``device=...``)."""
+    seed = [] if args.seed is None else [f"seed={args.seed}"]
+    device = [] if args.device is None else [f"device={args.device}"]
+    return [*args.overrides, *seed, *device]
 
 
 def prepare_run_dir(directory: str | Path, *, resume: bool, overwrite: bool) -> Path:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from fedveil.errors import ConfigError
+from fedveil.models.device import check_device_spec
 from fedveil.protocols.settings import FDMLConfig, FedAvgConfig
 
 __all__ = [
@@ -182,7 +183,9 @@ class DPSection:
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """One experiment: a protocol trained for ``rounds`` rounds on a data set, evaluated."""
+    """One experiment: a protocol trained for ``rounds`` rounds on a data set, evaluated; the devices'
+    networks run on ``device`` (:func:`~fedveil.models.device.resolve_device`: ``auto``, ``cpu``,
+    ``cuda``, ``cuda:N``; the enclave and the server stay on the CPU)."""
 
     name: str = "experiment"
     protocol: str = "fdml"
@@ -197,8 +200,10 @@ class ExperimentConfig:
     faults: FaultsSection = field(default_factory=FaultsSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_device_spec(self.device)
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"protocol: {self.protocol!r} is not one of {', '.join(PROTOCOLS)}")
         if self.rounds < 1:
@@ -457,18 +462,10 @@ def load_config(
     the final config ignores, or a key of the file that the file's own setting ignores (a file key made
     moot by an override that changes the setting, e.g. ``--set protocol=fedavg`` on an FDML config, is
     the override's intent)."""
-    file_raw: dict[str, Any] = {} if path is None else read_yaml_mapping(path)
-    given = parse_overrides(overrides)
-    raw = _merge(file_raw, given)
-    cfg = _build(ExperimentConfig, raw)
-    if refuse_ignored:
-        try:
-            as_filed = _build(ExperimentConfig, file_raw)
-        except ConfigError:  # the file needs its overrides to be a config at all
-            as_filed = cfg
-        _refuse(ignored_keys(as_filed, file_raw) + ignored_keys(cfg, given))
-        if cfg.data.path is not None and not Path(cfg.data.path).exists():
-            raise ConfigError(f"data.path: {cfg.data.path!r} does not exist (data.kind {cfg.data.kind!r})")
+    unused = unused_settings if refuse_ignored else None
+    cfg = load_run_config(ExperimentConfig, path, parse_overrides(overrides), unused=unused)
+    if refuse_ignored and cfg.data.path is not None and not Path(cfg.data.path).exists():
+        raise ConfigError(f"data.path: {cfg.data.path!r} does not exist (data.kind {cfg.data.kind!r})")
     return cfg
 
 
@@ -491,14 +488,19 @@ def _dotted(raw: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def ignored_keys(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> list[str]:
-    """The keys given in ``raw`` (a config file with its overrides) that ``cfg``'s setting never reads,
-    each as ``"key=value has no effect: why"``: a path with synthetic data, photo sizes with touch data,
-    one protocol's section in the other's run, the enclave without FDML's TEE, DP settings with
-    ``dp.enabled: false``, ..."""
+    """The keys given in ``raw`` (a config file with its overrides) that ``cfg``'s setting never reads
+    (:func:`unused_settings`), each as ``"key=value has no effect: why"``."""
+    return keys_without_effect(raw, unused_settings(cfg))
+
+
+def unused_settings(cfg: ExperimentConfig) -> list[tuple[str, bool, str]]:
+    """The rules (:func:`keys_without_effect`) of the settings ``cfg`` never reads: a path with synthetic
+    data, photo sizes with touch data, one protocol's section in the other's run, the enclave without
+    FDML's TEE, DP settings with ``dp.enabled: false``, ..."""
     d = cfg.data
     camera = d.kind.startswith("cameraauth")
     kind = f"data.kind is {d.kind!r}"
-    rules: list[tuple[str, bool, str]] = [
+    return [
         (
             "data.path",
             d.kind not in ("touchauth-csv", "cameraauth-folder"),
@@ -539,7 +541,6 @@ def ignored_keys(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> list[str]:
             if k != "enabled"
         ),
     ]
-    return keys_without_effect(raw, rules)
 
 
 def keys_without_effect(raw: Mapping[str, Any], rules: Sequence[tuple[str, bool, str]]) -> list[str]:

@@ -21,6 +21,7 @@ from fedveil.data.images import ImageData, load_image_dataset
 from fedveil.data.partition import partition, to_federated
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import Checkpoint
+from fedveil.models.device import check_device_spec
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import INITS, build_model
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
@@ -36,7 +37,8 @@ class FedAvgRun:
     ``clients`` holding ``samples_per_client`` training examples each (drawn without replacement from the
     training split, then split by ``scheme``: ``iid``, ``classes:K``, ``dirichlet:ALPHA``), ``test_samples``
     test examples, ``rounds`` of ``fedavg`` and a ``seed`` for everything random; ``model_init``: how the
-    model's initial values are drawn (:data:`fedveil.models.zoo.INITS`)."""
+    model's initial values are drawn (:data:`fedveil.models.zoo.INITS`); ``device``: where the clients train
+    (:func:`~fedveil.models.device.resolve_device`)."""
 
     data: str = "fashion-mnist"
     model: str = "lenet"
@@ -49,8 +51,10 @@ class FedAvgRun:
     seed: int = 0
     batched: bool | None = None
     model_init: str = "torch"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_device_spec(self.device)
         for name in ("clients", "samples_per_client", "test_samples", "rounds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -167,6 +171,7 @@ def train_fedavg(
         plan=chosen,
         initial=initial,
         batched=run.batched,
+        device=run.device,
     )
     runtime = SimulationRuntime(pool, rng=np.random.default_rng(run.seed + 1), tap=tap)
     server = ModelServer(run.fedavg, flat, np.random.default_rng(run.seed + 2), plan=chosen, initial=initial)

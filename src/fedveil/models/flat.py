@@ -47,8 +47,8 @@ class FlatModel:
         return list(self.module.parameters()) + kept
 
     def initial(self) -> np.ndarray:
-        """The module's current parameters (and buffers) as a flat float32 vector (a copy)."""
-        return torch.cat([t.detach().reshape(-1) for t in self._tensors()]).numpy().astype(np.float32)
+        """The module's current parameters (and buffers) as a flat float32 vector (a host copy)."""
+        return torch.cat([t.detach().reshape(-1) for t in self._tensors()]).cpu().numpy().astype(np.float32)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat`` shaped as each named tensor. ``flat`` is the whole vector (``num_params``)

@@ -110,7 +110,7 @@ class TouchAuthNet(nn.Module):
         d4 = _relu_backward(g4, h4.reshape(batch, -1, h3.shape[1]).transpose(1, 2))
         d3 = _relu_backward(d4 @ w4, h3)
         g2 = _relu_backward(d3 @ w3, h2).transpose(1, 2)
-        d2 = torch.zeros(batch, g2.shape[1], h1.shape[1], dtype=g2.dtype)
+        d2 = torch.zeros(batch, g2.shape[1], h1.shape[1], dtype=g2.dtype, device=g2.device)
         d2.scatter_add_(2, trace.pool_index[rows], g2)
         d2 = d2.transpose(1, 2)
         d1 = _relu_backward(d2 @ w2, h1)
@@ -141,7 +141,7 @@ class TouchAuthNet(nn.Module):
             raise ValueError(f"{batch} samples do not split into {groups} equal groups")
         first = int(rows[0]) if batch else 0
         picked: torch.Tensor | slice = rows
-        if torch.equal(rows, torch.arange(first, first + batch)):
+        if torch.equal(rows, torch.arange(first, first + batch, device=rows.device)):
             picked = slice(first, first + batch)
         pieces = []
         for h, delta in self.layer_deltas(trace, picked, derivatives):

@@ -31,6 +31,7 @@ from fedveil.enclave.channel import sealed_array_bytes, sealed_vector_bytes
 from fedveil.enclave.dp import private_derivatives
 from fedveil.enclave.triplet import loss_and_derivatives, magnitude_limit, unusable_rows
 from fedveil.errors import ConfigError, FedveilError, ValidationError
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import (
     ClientData,
@@ -600,6 +601,11 @@ class FDMLClients:
     a phase for all addressed devices together (one forward pass; per-device gradients with
     ``torch.func.vmap``); ``batched=False`` runs them one by one. Both give equal numbers
     (``tests/test_protocols_fdml.py``).
+
+    ``device`` (:func:`~fedveil.models.device.resolve_device`) is where the embedding network runs its
+    forward and backward passes: the module moves there, each round's samples and the received weights and
+    derivatives move there, and embeddings and gradients come back to host numpy arrays before they are
+    sealed for the enclave (which stays on the CPU).
     """
 
     def __init__(
@@ -613,7 +619,10 @@ class FDMLClients:
         input_shape: Sequence[int] = (1, 30, 10),
         sessions: Mapping[ClientId, Any] | None = None,
         defer_uploads: bool = False,
+        device: str | torch.device = "cpu",
     ) -> None:
+        self.device = resolve_device(device)
+        flat.module.to(self.device)
         self.sessions = dict(sessions) if sessions is not None else None
         self.defer_uploads = defer_uploads
         self.data = data
@@ -670,7 +679,8 @@ class FDMLClients:
 
     def _inputs(self, cid: ClientId, n: int) -> torch.Tensor:
         x = self.data.sample_training(cid, n, self.rngs[cid])
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(n, *self.input_shape)
+        x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(n, *self.input_shape)
+        return x.to(self.device)
 
     def _embed(self, msgs: Mapping[ClientId, EmbedRequest]) -> dict[ClientId, object]:
         # Rounds and attempts only move forward: what a device kept for an earlier one can no longer be
@@ -683,7 +693,7 @@ class FDMLClients:
         xs = {}
         for cid, m in msgs.items():
             if id(m.weights) not in params:
-                params[id(m.weights)] = as_tensor(m.weights)
+                params[id(m.weights)] = as_tensor(m.weights).to(self.device)
             xs[cid] = self._inputs(cid, m.num_samples)
         embs: dict[ClientId, np.ndarray] = {}
         traced: dict[ClientId, tuple[object, torch.Tensor]] = {}
@@ -693,20 +703,22 @@ class FDMLClients:
             order = list(msgs)
             x = torch.cat([xs[c] for c in order])
             if hasattr(module, "trace"):
-                self.flat.load_into_module(p.numpy())
+                self.flat.load_into_module(p.cpu().numpy())
                 trace = module.trace(x)
-                emb = trace.out.numpy()
+                emb = trace.out.cpu().numpy()
             else:
                 with torch.no_grad():
-                    emb = self.flat(p, x).numpy()
+                    emb = self.flat(p, x).cpu().numpy()
             bounds = np.cumsum([0] + [len(xs[c]) for c in order])
             for i, cid in enumerate(order):
                 embs[cid] = emb[bounds[i] : bounds[i + 1]]
                 if hasattr(module, "trace"):
-                    traced[cid] = (trace, torch.arange(bounds[i], bounds[i + 1]))
+                    traced[cid] = (trace, torch.arange(bounds[i], bounds[i + 1], device=self.device))
         else:
             with torch.no_grad():
-                embs = {cid: self.flat(params[id(m.weights)], xs[cid]).numpy() for cid, m in msgs.items()}
+                embs = {
+                    cid: self.flat(params[id(m.weights)], xs[cid]).cpu().numpy() for cid, m in msgs.items()
+                }
         out: dict[ClientId, object] = {}
         for cid, m in msgs.items():
             trace, rows = traced.get(cid, (None, None))
@@ -749,7 +761,7 @@ class FDMLClients:
                 out[cid] = ValidationError(f"derivatives of shape {d.shape}, embeddings {pending.shape}")
             else:
                 ready[cid] = pending
-                derivs[cid] = as_tensor(d)
+                derivs[cid] = as_tensor(d).to(self.device)
         if self.batched:
             grads = self._batched_gradients(ready, derivs)
         else:
@@ -796,7 +808,7 @@ class FDMLClients:
         """Step 7 for one device: d/dθ of sum_j <dL/de_j, e_j(θ)>, by autograd."""
         p = weights.detach().clone().requires_grad_(True)
         self.flat(p, x).backward(d)
-        return p.grad.numpy()
+        return p.grad.cpu().numpy()
 
     def _batched_gradients(
         self, ready: Mapping[ClientId, _Pending], derivs: Mapping[ClientId, torch.Tensor]
@@ -820,14 +832,14 @@ class FDMLClients:
             if first.trace is not None:
                 rows = torch.cat([ready[c].rows for c in group])
                 blocks = self.flat.module.group_gradient_pieces(first.trace, rows, ds, len(group))
-                arrays = [b.numpy() for b in blocks]
+                arrays = [b.cpu().numpy() for b in blocks]
                 # each device's gradient stays in its rows of the per-parameter blocks: sealing reads them
                 # in order, so the (devices, P) matrix is never assembled
                 out.update({c: tuple(a[i] for a in arrays) for i, c in enumerate(group)})
             else:
                 xs = torch.stack([ready[c].inputs for c in group])
                 ds = ds.reshape(len(group), -1, ds.shape[-1])
-                g = vmap(grad(self._contribution), in_dims=(None, 0, 0))(first.weights, xs, ds).numpy()
+                g = vmap(grad(self._contribution), in_dims=(None, 0, 0))(first.weights, xs, ds).cpu().numpy()
                 out.update({c: g[i] for i, c in enumerate(group)})
         return out
 

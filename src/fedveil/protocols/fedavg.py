@@ -52,6 +52,7 @@ from fedveil.data.federated import FederatedDataset
 from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_max_upload_norm, check_upload
 from fedveil.enclave.secure_noise import SecureNoise
 from fedveil.errors import ConfigError, ValidationError
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import (
     ClientData,
@@ -444,16 +445,18 @@ class ImageFedAvgConfig:
 def evaluate_model(
     model: nn.Module, x: np.ndarray, y: np.ndarray, *, batch_size: int = 1000
 ) -> dict[str, float]:
-    """Accuracy and mean cross-entropy of ``model`` (eval mode, no gradients) on ``x`` with labels ``y``."""
+    """Accuracy and mean cross-entropy of ``model`` (eval mode, no gradients) on ``x`` with labels ``y``
+    (moved batch by batch to the device of ``model``'s parameters)."""
     if len(x) != len(y) or len(x) == 0:
         raise ValidationError(f"evaluation needs matching non-empty inputs and labels: {len(x)}, {len(y)}")
     was_training = model.training
     model.eval()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     correct, total_loss = 0, 0.0
     with torch.no_grad():
         for s in range(0, len(x), batch_size):
-            xb = torch.from_numpy(np.ascontiguousarray(x[s : s + batch_size], dtype=np.float32))
-            yb = torch.from_numpy(np.asarray(y[s : s + batch_size], dtype=np.int64))
+            xb = torch.from_numpy(np.ascontiguousarray(x[s : s + batch_size], dtype=np.float32)).to(device)
+            yb = torch.from_numpy(np.asarray(y[s : s + batch_size], dtype=np.int64)).to(device)
             logits = model(xb)
             total_loss += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
             correct += int((logits.argmax(dim=1) == yb).sum())
@@ -560,6 +563,10 @@ class ModelClients:
     Models with BatchNorm are trained and evaluated with batch statistics (running statistics are not
     federated here: :func:`torch.func.replace_all_batch_norm_modules_` is applied); models with dropout
     draw different masks on the two paths.
+
+    ``device`` (:func:`~fedveil.models.device.resolve_device`: ``cpu``, ``cuda[:N]`` or ``auto``) is where
+    the clients train: the module moves there, and each client's examples move there once, at their first
+    round; messages stay host numpy arrays.
     """
 
     def __init__(
@@ -576,9 +583,12 @@ class ModelClients:
         batched: bool | None = None,
         x_key: str = "x",
         y_key: str = "y",
+        device: str | torch.device = "cpu",
     ) -> None:
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in flat.module.modules()):
             torch.func.replace_all_batch_norm_modules_(flat.module)
+        self.device = resolve_device(device)
+        flat.module.to(self.device)
         self.flat = flat
         self.data = data
         self.optimizer = optimizer
@@ -620,13 +630,16 @@ class ModelClients:
     def _full(self, cid: ClientId, shared: torch.Tensor) -> torch.Tensor:
         if self.plan.everything_shared:
             return shared.clone()
-        p = torch.empty(self.plan.num_params, dtype=torch.float32)
-        p[torch.from_numpy(self.plan.shared_index)] = shared
-        p[torch.from_numpy(self.plan.private_index)] = torch.from_numpy(self._private[cid])
+        p = torch.empty(self.plan.num_params, dtype=torch.float32, device=self.device)
+        p[torch.from_numpy(self.plan.shared_index).to(self.device)] = shared
+        p[torch.from_numpy(self.plan.private_index).to(self.device)] = as_tensor(self._private[cid]).to(
+            self.device
+        )
         return p
 
     def _tensors(self, cid: ClientId) -> tuple[torch.Tensor, torch.Tensor]:
-        """The client's examples as tensors, converted once (the data set's arrays are read-only)."""
+        """The client's examples as tensors on the device, converted and moved once (the data set's arrays
+        are read-only)."""
         if cid not in self._cache:
             x = self.data.array(cid, self.x_key)
             y = self.data.array(cid, self.y_key)
@@ -634,7 +647,10 @@ class ModelClients:
                 raise ValidationError(
                     f"client {cid} has {len(x)} inputs and {len(y)} labels; needs >= 1 of each"
                 )
-            self._cache[cid] = (torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64))
+            self._cache[cid] = (
+                torch.tensor(x, dtype=torch.float32).to(self.device),
+                torch.tensor(y, dtype=torch.int64).to(self.device),
+            )
         return self._cache[cid]
 
     def _batches(self, cid: ClientId, m: FitRequest) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -649,10 +665,10 @@ class ModelClients:
                 jobs[cid] = ValidationError(f"weights of shape {m.weights.shape}, expected {expected}")
                 continue
             n, batches = self._batches(cid, m)
-            jobs[cid] = (m, n, self._full(cid, as_tensor(m.weights)), batches)
+            jobs[cid] = (m, n, self._full(cid, as_tensor(m.weights).to(self.device)), batches)
         trained: dict[ClientId, tuple[torch.Tensor, float]] = {}
         runnable = {c: j for c, j in jobs.items() if not isinstance(j, Exception)}
-        mask = self.plan.train_mask
+        mask = None if self.plan.train_mask is None else self.plan.train_mask.to(self.device)
         self.flat.module.train()
         if self.batched:
             groups: dict[tuple[int, int, int, float], list[ClientId]] = {}
@@ -679,9 +695,10 @@ class ModelClients:
             m, n, p0, _ = job
             p, loss = trained[cid]
             if not self.plan.everything_shared:
-                self._private[cid] = p.detach()[torch.from_numpy(self.plan.private_index)].numpy().copy()
-            up = torch.from_numpy(self.plan.upload_index)
-            sent, new = p0[up], p.detach()[up]
+                private = torch.from_numpy(self.plan.private_index).to(self.device)
+                self._private[cid] = p.detach()[private].cpu().numpy().copy()
+            up = torch.from_numpy(self.plan.upload_index).to(self.device)
+            sent, new = p0[up].cpu(), p.detach()[up].cpu()
             if self.transform is not None:
                 new = sent + self.transform(new - sent, self.rngs[cid])
             out[cid] = FitReply(m.round, n, loss, new.numpy().astype(np.float32))
@@ -798,6 +815,9 @@ class FedAvgClients:
     :class:`TrainReply` frames (:func:`fedveil.core.codec.encode_frames_with_slot`), which are then
     exactly ``encode`` of the replies (tested), instead of into a matrix that each reply's encoding
     copies again. The runtime meters and decodes them as any reply; a non-finite weight is refused there.
+
+    ``device`` (:func:`~fedveil.models.device.resolve_device`) is where the devices train: the module, each
+    round's samples and the received weights move there; the new weights come back as host arrays.
     """
 
     def __init__(
@@ -811,7 +831,10 @@ class FedAvgClients:
         input_shape: tuple[int, ...] = (1, 30, 10),
         written_backward: bool = True,
         encoded_replies: bool = False,
+        device: str | torch.device = "cpu",
     ) -> None:
+        self.device = resolve_device(device)
+        flat.module.to(self.device)
         self.data = data
         self.encoded_replies = encoded_replies
         self.flat = flat
@@ -879,16 +902,16 @@ class FedAvgClients:
         """
         module = self.flat.module
         k, n = y.shape
-        self.flat.load_into_module(w.numpy())
+        self.flat.load_into_module(w.cpu().numpy())
         trace = module.embedding.trace(x.reshape(k * n, *x.shape[2:]))
         params = list(self.flat.unflatten(w).values())
         head_w, head_b = params[-2], params[-1]
         d_logits = torch.softmax(nn.functional.linear(trace.out, head_w, head_b), dim=1)
-        d_logits[torch.arange(k * n), y.reshape(-1)] -= 1.0
+        d_logits[torch.arange(k * n, device=w.device), y.reshape(-1)] -= 1.0
         d_logits /= n
         layers = module.embedding.layer_deltas(trace, slice(0, k * n), d_logits @ head_w)
         layers.append((trace.out.unsqueeze(1), d_logits.unsqueeze(1)))
-        new = torch.empty(k, self.flat.num_params, dtype=w.dtype) if out is None else out
+        new = torch.empty(k, self.flat.num_params, dtype=w.dtype, device=w.device) if out is None else out
         start = 0
         for (h, delta), weight, bias in zip(layers, params[0::2], params[1::2], strict=True):
             rows, cols = delta.shape[-1], h.shape[-1]
@@ -896,7 +919,7 @@ class FedAvgClients:
             d_k = delta.reshape(k, -1, rows)
             d_t = d_k.transpose(1, 2)
             out_w = new[:, start : start + rows * cols].view(k, rows, cols)
-            grads = torch.empty(min(k, STEP_CHUNK), rows, cols, dtype=w.dtype)
+            grads = torch.empty(min(k, STEP_CHUNK), rows, cols, dtype=w.dtype, device=w.device)
             for lo in range(0, k, STEP_CHUNK):
                 hi = min(k, lo + STEP_CHUNK)
                 torch.bmm(d_t[lo:hi], h_k[lo:hi], out=grads[: hi - lo])
@@ -911,12 +934,13 @@ class FedAvgClients:
         data = {}
         for cid, m in msgs.items():
             if id(m.weights) not in weights:  # devices sent the same array share one copy
-                weights[id(m.weights)] = as_tensor(m.weights)
+                weights[id(m.weights)] = as_tensor(m.weights).to(self.device)
             x = self.data.sample_training(cid, m.num_samples, self.rngs[cid])
             x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(
                 m.num_samples, *self.input_shape
             )
-            data[cid] = (x, torch.full((m.num_samples,), self.label[cid], dtype=torch.long))
+            labels = torch.full((m.num_samples,), self.label[cid], dtype=torch.long)
+            data[cid] = (x.to(self.device), labels.to(self.device))
         new: dict[ClientId, np.ndarray] = {}
         replies: dict[ClientId, memoryview] = {}
         if self.batched:
@@ -934,13 +958,13 @@ class FedAvgClients:
                 else:
                     p = weights[wid].expand(len(group), -1).clone()
                     p, _ = local_train_cohort(self._loss, p, [batch] * steps, LocalOptimizer(lr=lr), lr)
-                new.update({c: p[i].detach().numpy() for i, c in enumerate(group)})
+                new.update({c: p[i].detach().cpu().numpy() for i, c in enumerate(group)})
         else:
             for cid, m in msgs.items():
                 p0 = weights[id(m.weights)].clone()
                 opt = LocalOptimizer(lr=m.lr)
                 p, _ = local_train(self._loss, p0, [data[cid]] * m.local_steps, opt, m.lr)
-                new[cid] = p.detach().numpy()
+                new[cid] = p.detach().cpu().numpy()
         return {
             cid: replies[cid] if cid in replies else TrainReply(m.round, m.num_samples, new[cid])
             for cid, m in msgs.items()
@@ -956,8 +980,13 @@ class FedAvgClients:
         lr: float,
     ) -> dict[ClientId, memoryview]:
         """:meth:`_traced_sgd_step` for ``group``, its new weights written into the ``weights`` fields of
-        the devices' :class:`TrainReply` frames: each device's reply is the bytes of its message."""
+        the devices' :class:`TrainReply` frames: each device's reply is the bytes of its message (computed
+        on the device, then copied into the frames, when the device is not the host)."""
         template = TrainReply(rnd, samples, np.zeros(self.flat.num_params, np.float32))
         frames, slots = codec.encode_frames_with_slot(template, "weights", len(group))
-        self._traced_sgd_step(w, *batch, lr, out=torch.from_numpy(slots.view(np.float32)))
+        target = torch.from_numpy(slots.view(np.float32))
+        if w.device == target.device:
+            self._traced_sgd_step(w, *batch, lr, out=target)
+        else:
+            target.copy_(self._traced_sgd_step(w, *batch, lr))
         return {cid: memoryview(frames[i]) for i, cid in enumerate(group)}

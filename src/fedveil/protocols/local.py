@@ -89,10 +89,11 @@ def epoch_batches(
     min_size: int = 1,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A client's mini-batches for ``epochs`` passes over ``(x, y)``, reshuffled by ``rng`` every epoch,
-    in batches of ``batch_size`` (the last one may be smaller; batches under ``min_size`` are dropped)."""
+    in batches of ``batch_size`` (the last one may be smaller; batches under ``min_size`` are dropped).
+    The batches are taken on ``x``'s device."""
     batches = []
     for _ in range(epochs):
-        order = torch.from_numpy(rng.permutation(len(x)))
+        order = torch.from_numpy(rng.permutation(len(x))).to(x.device)
         for s in range(0, len(x), batch_size):
             idx = order[s : s + batch_size]
             if len(idx) >= min_size:

@@ -165,6 +165,7 @@ def build_clients(
         "seed": cfg.seed,
         "batched": cfg.runtime.batched,
         "input_shape": input_shape(cfg),
+        "device": cfg.device,
     }
     if cfg.protocol == "fdml":
         return FDMLClients(population, model, sessions=sessions, defer_uploads=defer_uploads, **common)

@@ -1,0 +1,65 @@
+"""Where training runs: the one ``device`` setting of every system, and its resolver.
+
+A run's ``device`` is ``auto`` (CUDA when torch sees a GPU, else the CPU), ``cpu``, ``cuda`` (the current
+CUDA device) or ``cuda:N`` (GPU ``N``). Every system's config, every ``run`` command's ``--device`` and
+the attack and benchmark functions take it as text and turn it into a :class:`torch.device` here, once:
+:func:`check_device_spec` when a config is loaded (the spelling), :func:`resolve_device` when training
+starts (the machine). Client data moves to the resolved device once per run; what crosses into the
+enclave is copied back to host memory as numpy arrays (the enclave stays on the CPU, as a TEE would).
+
+On the CPU, ``device: cpu`` and ``auto`` compute exactly what fedveil computed before it had the
+setting: no tensor is copied or converted on the way (``Tensor.to`` and ``Tensor.cpu`` return a CPU
+tensor itself).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from fedveil.errors import ConfigError
+
+__all__ = ["DEVICE_SPECS", "check_device_spec", "resolve_device"]
+
+DEVICE_SPECS = "auto, cpu, cuda or cuda:N"
+"""The spellings a ``device`` setting accepts, as error messages and help texts name them."""
+
+_SPEC = re.compile(r"auto|cpu|cuda(:(0|[1-9][0-9]*))?")
+
+
+def check_device_spec(spec: str) -> str:
+    """``spec`` if it is spelled as a ``device`` setting (:data:`DEVICE_SPECS`), else a
+    :class:`~fedveil.errors.ConfigError` naming it. Says nothing about this machine's devices
+    (:func:`resolve_device` does): a config written for a GPU machine loads anywhere."""
+    if not isinstance(spec, str) or _SPEC.fullmatch(spec) is None:
+        raise ConfigError(f"device: {spec!r} is not one of {DEVICE_SPECS} (e.g. cuda:0)")
+    return spec
+
+
+def resolve_device(spec: str | torch.device = "auto") -> torch.device:
+    """The :class:`torch.device` that ``spec`` (:data:`DEVICE_SPECS`, or a device) names on this machine.
+
+    ``auto`` is ``cuda`` when :func:`torch.cuda.is_available` and ``cpu`` otherwise. ``cuda`` and
+    ``cuda:N`` need a CUDA device (and ``N`` below :func:`torch.cuda.device_count`): a
+    :class:`~fedveil.errors.ConfigError` naming the value says what this machine has instead."""
+    text = str(spec) if isinstance(spec, torch.device) else check_device_spec(spec)
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    if not text.startswith("cuda"):
+        raise ConfigError(f"device: {text!r} is not one of {DEVICE_SPECS}")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"device: {text!r} asks for CUDA, but torch {torch.__version__} sees no CUDA device on this "
+            "machine: use device cpu (or auto), or a torch build and machine with a GPU"
+        )
+    device = torch.device(text)
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ConfigError(
+            f"device: {text!r} names GPU {device.index}, but this machine has {count} "
+            f"(cuda:0 to cuda:{count - 1}): choose one of them or cuda"
+        )
+    return device
