@@ -10,6 +10,10 @@
   LiRA) (:func:`~fedveil.experiments.attacks.runs.run_membership`).
 - ``fedveil attack pia [--model lenet] [--clients 20] [--samples-per-client 16] [--rounds 6] ...``:
   Melis et al.'s property inference on per-client updates, and its control.
+- ``fedveil attack feduv-codeword [--methods feduv,softmax,fedaws] [--writers 10] [--rounds 20]
+  [--fraction 0.3] [--code-length 127] [--seed 0] [--out DIR] [--json]``: the server reads each user's
+  FedUV codeword (softmax, FedAwS: class) off its updates, beside controls
+  (:func:`~fedveil.experiments.attacks.feduv_codeword.feduv_codeword_table`).
 """
 
 from __future__ import annotations
@@ -68,6 +72,18 @@ def register(subparsers: Any) -> None:
             p.add_argument("--shadows", type=int, default=8, help="LiRA shadow models (default 8)")
             p.add_argument("--shadow-epochs", type=int, default=None, help="LiRA shadow epochs (<= 100)")
         _common(p)
+    p = attacks.add_parser(
+        "feduv-codeword",
+        help="FedUV: the server reads each user's secret codeword off its updates",
+        description="FedUV: the server reads each user's secret codeword (softmax, FedAwS: class) off "
+        "its FedAvg updates, on SYNTHETIC MNIST-UV",
+    )
+    p.add_argument("--methods", default="feduv,softmax,fedaws", help="comma-separated (default all three)")
+    p.add_argument("--writers", type=int, default=10, help="users (default 10)")
+    p.add_argument("--rounds", type=int, default=20, help="training rounds (default 20)")
+    p.add_argument("--fraction", type=float, default=0.3, help="users per round, a fraction (default 0.3)")
+    p.add_argument("--code-length", type=int, default=127, help="FedUV BCH code length (default 127)")
+    _common(p)
     parser.set_defaults(func=run)
 
 
@@ -81,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen attack and print its report."""
     from fedveil.experiments.attacks import runs as attack_runs
 
+    if args.attack == "feduv-codeword":
+        return _feduv_codeword(args)
     if args.attack in attack_runs.INVERSIONS:
         summary = attack_runs.run_inversion(
             args.attack,
@@ -142,5 +160,39 @@ def run(args: argparse.Namespace) -> int:
                 f"{name:16s} AUC {rep['auc']:.3f} (null s.e. {rep['auc_null_std_error']:.3f})  "
                 f"precision {rep['precision']:.3f}  balanced acc {rep['balanced_accuracy']:.3f}  "
                 f"TPR@FPR {low}"
+            )
+    return 0
+
+
+def _feduv_codeword(args: argparse.Namespace) -> int:
+    """``fedveil attack feduv-codeword``: run the table and print one line per method."""
+    from fedveil.experiments.attacks.feduv_codeword import feduv_codeword_table
+    from fedveil.experiments.feduv.runner import parse_methods
+
+    summary = feduv_codeword_table(
+        methods=parse_methods(args.methods),
+        writers=args.writers,
+        rounds=args.rounds,
+        fraction=args.fraction,
+        code_length=args.code_length,
+        seed=args.seed,
+        out=args.out,
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2, default=float))
+        return 0
+    print(summary["run"]["data"])
+    for method, rep in summary["attacks"].items():
+        if "target" in rep:
+            print(
+                f"{method:8s} bit accuracy {rep['target']['bit_accuracy_mean']:.3f} (chance 0.5, null s.e. "
+                f"{rep['null_std_error']:.3f}), within t={rep['code']['t']}: "
+                f"{rep['target']['within_radius']}/{rep['users_attacked']} users; control "
+                f"{rep['control_random_codeword']['bit_accuracy_mean']:.3f}"
+            )
+        else:
+            print(
+                f"{method:8s} class top-1 {rep['target_top1']:.3f} (chance {rep['chance']:.3f}); control "
+                f"{rep['control_random_class_top1']:.3f}"
             )
     return 0
