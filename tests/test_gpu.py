@@ -1,0 +1,159 @@
+"""Training on a CUDA device gives the CPU's numbers to float32 rounding (``pytest -m gpu``; every test here
+is skipped, saying so, where torch sees no CUDA device; ``scripts/gpu-check`` runs them on a GPU machine).
+
+Not bit for bit: cuBLAS and cuDNN pick other kernels than the CPU's (other summation orders, fused
+multiply-adds, TF32 where allowed), so each float32 result differs in its last bits, and the differences
+grow a little with every step. The tolerances below state how much: ``max |Δw| <= 1e-4 max |w|`` after a
+few rounds of SGD. FDML's server steps with Adam, which divides each gradient coordinate by its own
+magnitude, so a coordinate whose gradient is almost zero can move by up to ``lr`` either way on the two
+paths: its devices' gradients are compared for the same weights, and a whole run by its losses.
+The resolver's CPU-side promises (``auto`` is the CPU here, ``cuda`` absent is a named error, misspelt
+values are refused) are tested in ``tests/test_device_option.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import fedveil
+from fedveil.cli import main
+from fedveil.core.attestation_verify import EnclaveClientSession
+from fedveil.experiments.config import load_config
+from fedveil.experiments.fdml.runner import build_clients, build_population
+from fedveil.models.flat import FlatModel
+from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer
+from fedveil.protocols.local import LocalOptimizer
+from fedveil.protocols.messages import BackpropRequest, EmbedRequest
+from fedveil.runtime.simulation import SimulationRuntime
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch sees none here"),
+]
+
+REPO = Path(__file__).resolve().parents[1]
+RELATIVE = 1e-4
+"""``max |Δw| <= RELATIVE * max |w|``: CUDA against CPU after a few rounds (module docstring)."""
+
+
+def _separable(clients: int = 8, per_client: int = 24) -> fedveil.FederatedDataset:
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, size=clients * per_client)
+    x = (rng.normal(size=(len(y), 8)) + 2.0 * y[:, None]).astype(np.float32)
+    return fedveil.FederatedDataset(
+        fedveil.UserData(f"client{i}", {}, {"x": x[i::clients], "y": y[i::clients]}) for i in range(clients)
+    )
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+
+def _close(cpu: np.ndarray, cuda: np.ndarray) -> None:
+    scale = float(np.max(np.abs(cpu)))
+    assert float(np.max(np.abs(cpu - cuda))) <= RELATIVE * scale, (float(np.max(np.abs(cpu - cuda))), scale)
+
+
+@pytest.mark.parametrize("dp", [{}, {"clip_norm": 1.0, "noise_multiplier": 0.5, "delta": 1e-5}])
+def test_fedavg_on_cuda_equals_the_cpu(dp: dict[str, float]) -> None:
+    data = _separable()
+    kwargs: dict[str, Any] = dict(rounds=4, clients_per_round=4, lr=0.1, batch_size=6, local_epochs=2, seed=3)
+    cpu = fedveil.train_fedavg(_mlp(), data, device="cpu", **kwargs, **dp)
+    cuda = fedveil.train_fedavg(_mlp(), data, device="cuda", **kwargs, **dp)
+    for key, value in cpu.state_dict.items():
+        assert cuda.state_dict[key].device.type == "cpu"  # the result is the host's
+        _close(value.numpy(), cuda.state_dict[key].numpy())
+    for a, b in zip(cpu.history, cuda.history, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_client_data_moves_to_the_device_once(batched: bool) -> None:
+    flat = FlatModel(_mlp())
+    pool = ModelClients(
+        flat, _separable(), optimizer=LocalOptimizer(lr=0.1), seed=0, batched=batched, device="cuda"
+    )
+    assert next(flat.module.parameters()).device.type == "cuda"
+    cfg = ImageFedAvgConfig(clients_per_round=8, batch_size=6, eval_every=0)
+    runtime = SimulationRuntime(pool, rng=np.random.default_rng(1))
+    server = ModelServer(cfg, flat, np.random.default_rng(2))
+    server.setup(runtime)
+    asyncio.run(server.run_round(1, runtime))
+    first = {cid: (x.data_ptr(), y.data_ptr()) for cid, (x, y) in pool._cache.items()}
+    assert len(first) == 8 and all(x.is_cuda and y.is_cuda for x, y in pool._cache.values())
+    asyncio.run(server.run_round(2, runtime))
+    assert {cid: (x.data_ptr(), y.data_ptr()) for cid, (x, y) in pool._cache.items()} == first
+    assert isinstance(server.weights, np.ndarray)
+
+
+def _tiny_fdml(device: str) -> Any:
+    return load_config(
+        REPO / "configs/table1_fdml.yaml",
+        [
+            "data.train_users_per_model=[24,24,24,24]",
+            "data.test_users_per_model=[6,6,6,6]",
+            "fdml.num_required=16",
+            f"device={device}",
+        ],
+    )
+
+
+def test_fdml_devices_gradients_on_cuda_equal_the_cpus() -> None:
+    cfg = _tiny_fdml("cuda")
+    population = build_population(cfg)
+    cuda = build_clients(cfg, population)
+    cpu = build_clients(replace(cfg, device="cpu"), population)
+    assert next(cuda.flat.module.parameters()).is_cuda
+    ids = cpu.client_ids()[:8]
+    request = EmbedRequest(1, 1, 8, cpu.flat.initial())
+    e_cpu, e_cuda = (
+        cpu.handle_batch(dict.fromkeys(ids, request)),
+        cuda.handle_batch(dict.fromkeys(ids, request)),
+    )
+    rng = np.random.default_rng(1)
+    back = {c: BackpropRequest(1, 1, rng.normal(size=(8, 64)).astype(np.float32)) for c in ids}
+    g_cpu, g_cuda = cpu.handle_batch(back), cuda.handle_batch(back)
+    for c in ids:
+        assert isinstance(e_cuda[c].embeddings, np.ndarray) and isinstance(g_cuda[c].gradient, np.ndarray)
+        _close(e_cpu[c].embeddings, e_cuda[c].embeddings)
+        _close(g_cpu[c].gradient, g_cuda[c].gradient)
+
+
+def test_fdml_rounds_on_cuda_follow_the_cpus_and_the_enclave_gets_host_arrays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[type] = []
+    for name in ("seal_embeddings", "seal_gradient"):
+        original = getattr(EnclaveClientSession, name)
+
+        def spy(self: Any, rnd: int, value: Any, *a: Any, original: Any = original, **k: Any) -> Any:
+            seen.extend(type(v) for v in (value if isinstance(value, tuple) else (value,)))
+            return original(self, rnd, value, *a, **k)
+
+        monkeypatch.setattr(EnclaveClientSession, name, spy)
+    losses = {}
+    for device in ("cpu", "cuda"):
+        sets = [
+            "rounds=3",
+            "eval.every=0",
+            "data.train_users_per_model=[24,24,24,24]",
+            "data.test_users_per_model=[6,6,6,6]",
+            "fdml.num_required=16",
+        ]
+        out = tmp_path / device
+        argv = ["run", str(REPO / "configs/table1_fdml.yaml"), "--out", str(out), "--no-progress"]
+        assert main([*argv, *[a for s in sets for a in ("--set", s)], "--device", device]) == 0
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[device] = [line["loss"] for line in lines if "loss" in line]
+    assert seen and set(seen) == {np.ndarray}
+    assert len(losses["cpu"]) == 3
+    assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-3)
