@@ -48,6 +48,7 @@ __all__ = [
     "read_yaml_mapping",
     "refuse_keys_without_effect",
     "run_overrides",
+    "unused_settings",
 ]
 
 PROTOCOLS = ("fdml", "fedavg")
