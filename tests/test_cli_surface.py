@@ -146,6 +146,19 @@ def test_a_run_on_synthetic_data_says_so_before_it_trains(
     assert STAND_IN not in (printed.out if json else printed.err)
 
 
+def test_a_run_on_real_data_prints_no_banner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _stub_runner(monkeypatch, "run")
+    logs = tmp_path / "touch.csv"
+    logs.write_text("")
+    real = ["--set", "data.kind=touchauth-csv", "--set", f"data.path={logs}"]
+    with pytest.raises(_Started):
+        main([*RUN_COMMANDS["run"][1], *real, "--out", str(tmp_path / "run")])
+    printed = capsys.readouterr()
+    assert STAND_IN not in printed.out + printed.err
+
+
 PPFL_TINY = """
 name: tiny
 data: synthetic-fashion-mnist:600
