@@ -14,6 +14,7 @@ from typing import Any
 from fedveil.enclave.triplet import DEFAULT_MEMORY_LIMIT_BYTES, STRATEGIES
 from fedveil.errors import ConfigError
 from fedveil.experiments.fdml.triplet_reference import REFERENCE_MEMORY_BYTES
+from fedveil.models.device import check_device_spec, resolve_device
 
 
 def register(subparsers: Any) -> None:
@@ -41,6 +42,23 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark."""
     return int(args.bench_func(args))
+
+
+def _add_device(p: Any) -> None:
+    """Add ``--device`` (:func:`~fedveil.models.device.resolve_device`) to the benchmark parser ``p``."""
+    p.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        help="where the benchmark trains: cpu (default), cuda, cuda:N or auto (CUDA when available)",
+    )
+
+
+def _device(text: str) -> str:
+    try:
+        return check_device_spec(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _participants(text: str) -> list[int]:
@@ -209,6 +227,7 @@ def _add_rounds(sub: Any) -> None:
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override"
     )
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(bench_func=_run_rounds)
 
@@ -227,11 +246,12 @@ def _run_rounds(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         batched=not args.one_by_one,
         threads=args.threads,
-        overrides=tuple(args.overrides),
+        overrides=(*args.overrides, f"device={args.device}"),
         profile=args.profile,
         warmup=args.warmup,
         protocol=args.protocol,
     )
+    row["device"] = str(resolve_device(args.device))
     if args.json:
         print(json.dumps(row, indent=2))
     else:
@@ -292,6 +312,7 @@ def _add_fedavg(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="local batch size (default 16)")
     p.add_argument("--epochs", type=int, default=1, help="local epochs (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls; the median is reported (default 3)")
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(bench_func=_run_fedavg)
 
@@ -307,6 +328,7 @@ def _run_fedavg(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         local_epochs=args.epochs,
         repeats=args.repeats,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(row, indent=2))
@@ -376,6 +398,7 @@ def _add_mobilefacenet(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="batch (default 32)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads (default 1 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported (default 5)")
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(bench_func=_run_mobilefacenet)
 
@@ -390,6 +413,7 @@ def _run_mobilefacenet(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         threads=args.threads,
         repeats=args.repeats,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(row, indent=2))

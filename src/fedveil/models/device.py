@@ -9,18 +9,21 @@ enclave is copied back to host memory as numpy arrays (the enclave stays on the 
 
 On the CPU, ``device: cpu`` and ``auto`` compute exactly what fedveil computed before it had the
 setting: no tensor is copied or converted on the way (``Tensor.to`` and ``Tensor.cpu`` return a CPU
-tensor itself).
+tensor itself). Importing this module does not import torch (a config check or a command's options
+stay light); resolving does.
 """
 
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from fedveil.errors import ConfigError
 
-__all__ = ["DEVICE_SPECS", "check_device_spec", "resolve_device"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEVICE_SPECS", "check_device_spec", "resolve_device", "synchronize"]
 
 DEVICE_SPECS = "auto, cpu, cuda or cuda:N"
 """The spellings a ``device`` setting accepts, as error messages and help texts name them."""
@@ -43,6 +46,8 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
     ``auto`` is ``cuda`` when :func:`torch.cuda.is_available` and ``cpu`` otherwise. ``cuda`` and
     ``cuda:N`` need a CUDA device (and ``N`` below :func:`torch.cuda.device_count`): a
     :class:`~fedveil.errors.ConfigError` naming the value says what this machine has instead."""
+    import torch
+
     text = str(spec) if isinstance(spec, torch.device) else check_device_spec(spec)
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,3 +68,12 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
             f"(cuda:0 to cuda:{count - 1}): choose one of them or cuda"
         )
     return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device runs kernels asynchronously): a timer read
+    after it measures the work, not its launch. On the CPU it returns at once."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

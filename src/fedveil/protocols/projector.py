@@ -47,6 +47,7 @@ from torch.func import functional_call
 from fedveil.core.communicator import ClientId
 from fedveil.data.federated import FederatedDataset
 from fedveil.errors import ConfigError, ValidationError
+from fedveil.models.device import resolve_device
 from fedveil.models.faces import ArcFace
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import as_tensor, client_rng
@@ -127,7 +128,8 @@ class ProjectorClients:
     Each device's projector is drawn from its own generator (``client_rng(seed, i)``) and kept across
     rounds with its warm-up counter. A :class:`FitRequest` carries the shared vector (parameters, then
     BatchNorm statistics: :func:`backbone_flat`); the reply carries the parameters, and the statistics
-    too when they are not frozen.
+    too when they are not frozen. ``device`` (:func:`~fedveil.models.device.resolve_device`) is where the
+    backbone and the projectors train: they move there, and each device's photos move there once.
     """
 
     def __init__(
@@ -139,7 +141,10 @@ class ProjectorClients:
         optimizer: LocalOptimizer,
         seed: int,
         settings: ProjectorSettings | None = None,
+        device: str | torch.device = "cpu",
     ) -> None:
+        self.device = resolve_device(device)
+        backbone.to(self.device)
         self.flat = backbone_flat(backbone)
         self.backbone = backbone
         self.settings = settings or ProjectorSettings()
@@ -168,6 +173,7 @@ class ProjectorClients:
             with torch.no_grad():
                 bound = math.sqrt(6.0 / (classes + embedding_dim))
                 projector.weight.uniform_(-bound, bound, generator=gen)
+            projector.to(self.device)
             self.projectors[cid], self.rngs[cid], self.batches_done[cid] = projector, rng, 0
         self.ids = [c for c in data.user_ids if c not in self.excluded]
         if not self.ids:
@@ -179,7 +185,7 @@ class ProjectorClients:
 
     def projector_weights(self, cid: ClientId) -> np.ndarray:
         """Device ``cid``'s projector (a copy; for the device's own use and the spy test)."""
-        return self.projectors[cid].weight.detach().numpy().copy()
+        return self.projectors[cid].weight.detach().cpu().numpy().copy()
 
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """What the simulated devices keep across rounds, for a resumed simulation: each device's
@@ -189,7 +195,7 @@ class ProjectorClients:
         own disk and it never travels; this is the simulation's state, saved on the machine that
         simulates the devices."""
         arrays = {
-            f"projector.{i}.{name}": t.detach().numpy().copy()
+            f"projector.{i}.{name}": t.detach().cpu().numpy().copy()
             for i, cid in enumerate(self.ids)
             for name, t in self.projectors[cid].state_dict().items()
         }
@@ -235,16 +241,19 @@ class ProjectorClients:
     def _tensors(self, cid: ClientId) -> tuple[torch.Tensor, torch.Tensor]:
         if cid not in self._cache:
             x, y = self.data.array(cid, "x"), self.data.array(cid, "y")
-            self._cache[cid] = (torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64))
+            self._cache[cid] = (
+                torch.tensor(x, dtype=torch.float32).to(self.device),
+                torch.tensor(y, dtype=torch.int64).to(self.device),
+            )
         return self._cache[cid]
 
     def _fit(self, cid: ClientId, m: FitRequest) -> FitReply:
         flat, settings = self.flat, self.settings
-        received = as_tensor(m.weights)
+        received = as_tensor(m.weights).to(self.device)
         buffers = {n: t for n, t in flat.unflatten(received.clone()).items() if n in flat.buffer_names}
         projector = self.projectors[cid]
         head_flat = FlatModel(projector)
-        p0 = torch.cat([received[: self.num_weights], torch.from_numpy(head_flat.initial())])
+        p0 = torch.cat([received[: self.num_weights], torch.from_numpy(head_flat.initial()).to(self.device)])
 
         def objective(p: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             views = flat.unflatten(p[: self.num_weights])
@@ -264,11 +273,11 @@ class ProjectorClients:
         p, loss = local_train(objective, p0, batches, self.optimizer, rates, eager=not settings.freeze_bn)
         self.batches_done[cid] += len(batches)
         weights = p.detach()[: self.num_weights]
-        head_flat.load_into_module(p.detach()[self.num_weights :].numpy())
+        head_flat.load_into_module(p.detach()[self.num_weights :].cpu().numpy())
         upload = [weights]
         if not settings.freeze_bn:
             upload += [buffers[n].reshape(-1) for n in flat.buffer_names]
-        return FitReply(m.round, len(xt), float(loss), torch.cat(upload).numpy().astype(np.float32))
+        return FitReply(m.round, len(xt), float(loss), torch.cat(upload).cpu().numpy().astype(np.float32))
 
 
 def identify(gallery: np.ndarray, gallery_labels: np.ndarray, probes: np.ndarray) -> np.ndarray:

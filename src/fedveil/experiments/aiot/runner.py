@@ -71,6 +71,7 @@ from fedveil.experiments.checkpoint import (
 )
 from fedveil.experiments.config import load_run_config
 from fedveil.experiments.plots import bars_figure
+from fedveil.models.device import check_device_spec
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.weights import load_weights, save_weights
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
@@ -93,7 +94,8 @@ METHODS = ("pretrained", "centralized", "solo", "ours", "no_pretrain", "no_froze
 @dataclass(frozen=True)
 class AiotRun:
     """A run's settings (module docstring); ``size`` and ``width`` reduce MobileFaceNet for this machine
-    (the paper: 112 and 1) and are named in every result."""
+    (the paper: 112 and 1) and are named in every result. ``device``: where the devices fine-tune
+    (:func:`~fedveil.models.device.resolve_device`); pre-training and evaluation run on the CPU."""
 
     name: str = "aiot"
     size: int = 64
@@ -120,8 +122,10 @@ class AiotRun:
     methods: tuple[str, ...] = METHODS
     seed: int = 0
     threads: int = 2
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_device_spec(self.device)
         for name in ("public_identities", "private_identities", "test_identities", "wild"):
             if getattr(self, name) < 2:
                 raise ConfigError(f"{name} {getattr(self, name)} must be >= 2")
@@ -249,6 +253,7 @@ def _federate(
         optimizer=optimizer,
         seed=seed,
         settings=settings,
+        device=run.device,
     )
     cfg = ImageFedAvgConfig(
         clients_per_round=clients_per_round,
@@ -303,7 +308,7 @@ def _federate(
 
     asyncio.run(go())
     flat.load_into_module(server.full_weights())
-    return backbone
+    return backbone.cpu()
 
 
 def _method(

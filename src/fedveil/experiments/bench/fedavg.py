@@ -20,6 +20,7 @@ from fedveil.attacks.dlg import dlg_attack
 from fedveil.attacks.inversion import client_gradient_view
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.data.images import synthetic_fashion_mnist
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ModelClients
@@ -39,8 +40,11 @@ def bench_fedavg_updates(
     repeats: int = 3,
     threads: int = 2,
     seed: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Client updates per second, batched (one ``vmap`` over the cohort) and one by one, side by side."""
+    """Client updates per second, batched (one ``vmap`` over the cohort) and one by one, side by side,
+    training on ``device`` (:func:`~fedveil.models.device.resolve_device`; the clients' data moves there
+    in the untimed first call, and every reply comes back to the host, so a timed call is all its work)."""
     torch.set_num_threads(threads)
     data = synthetic_fashion_mnist(clients * samples, seed=seed)
     users = [
@@ -55,6 +59,7 @@ def bench_fedavg_updates(
     flat = FlatModel(build_model(model, num_classes=10, in_channels=1, image_size=28, seed=seed))
     out: dict[str, Any] = {
         "model": model,
+        "device": str(resolve_device(device)),
         "num_params": flat.num_params,
         "clients": clients,
         "samples": samples,
@@ -66,7 +71,9 @@ def bench_fedavg_updates(
     }
     request = FitRequest(1, 0.05, local_epochs, batch_size, flat.initial())
     for batched in (True, False):
-        pool = ModelClients(flat, fed, optimizer=LocalOptimizer(lr=0.05), seed=seed, batched=batched)
+        pool = ModelClients(
+            flat, fed, optimizer=LocalOptimizer(lr=0.05), seed=seed, batched=batched, device=device
+        )
         msgs = dict.fromkeys(pool.client_ids(), request)
         pool.handle_batch(msgs)
         times = []
