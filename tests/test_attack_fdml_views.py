@@ -1,0 +1,59 @@
+"""The attacks beside FDML's claims: a participant's step-6 derivatives (covered by Alg. 2) and the
+released embedding model (not covered)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedveil.attacks.derivatives import DerivativeView, direction_score, dp_consistency, informed_score
+from fedveil.attacks.scores import score_attack
+from fedveil.errors import ValidationError
+from fedveil.experiments.attacks.fdml_views import fdml_derivative_table
+
+
+@pytest.fixture(scope="module")
+def derivative_table() -> dict:
+    """300 rounds of 4 participants x 4 embeddings, without DP and with Alg. 2 at epsilon 0.5 (SYNTHETIC)."""
+    return fdml_derivative_table(trials=300, epsilons=(0.5,), seed=0)
+
+
+def test_informed_participant_detects_the_target_without_dp(derivative_table: dict) -> None:
+    row = derivative_table["settings"]["no-dp"]["informed"]
+    assert row["auc"] > 0.5 + 6 * row["auc_null_std_error"]
+
+
+def test_decoy_control_is_at_chance(derivative_table: dict) -> None:
+    for entry in derivative_table["settings"].values():
+        control = entry["control"]
+        assert abs(control["auc"] - 0.5) < 3 * control["auc_null_std_error"]
+
+
+@pytest.mark.parametrize("setting", ["paper/eps=0.5", "strict/eps=0.5"])
+def test_alg2_bounds_the_attack_by_its_epsilon(derivative_table: dict, setting: str) -> None:
+    entry = derivative_table["settings"][setting]
+    assert entry["epsilon_claimed"] == pytest.approx(0.5)
+    check = entry["informed"]["vs_claimed"]
+    assert check["auc_within_bound"] and check["consistent"]
+    assert entry["informed"]["auc"] < 0.5 + 3 * entry["informed"]["auc_null_std_error"]
+    if setting.startswith("paper"):  # the strict analysis of the same release charges far more
+        assert entry["epsilon_strict"] > 10 * entry["epsilon_claimed"]
+
+
+def test_dp_consistency_flags_an_attack_that_beats_its_epsilon() -> None:
+    labels = np.r_[np.ones(500, bool), np.zeros(500, bool)]
+    perfect = score_attack("perfect", labels.astype(float), labels)
+    check = dp_consistency(perfect, 0.5)
+    assert not check["auc_within_bound"] and not check["consistent"]
+    assert check["epsilon_lower"] > 0.5
+    assert dp_consistency(perfect, 50.0)["auc_within_bound"]
+
+
+def test_scores_on_a_hand_made_view() -> None:
+    own = np.array([[0.0, 0.0], [2.0, 0.0]])
+    view = DerivativeView("participant", own, np.array([[1.0, 0.0], [-1.0, 0.0]]))
+    assert direction_score(view, np.array([1.0, 0.0])) == pytest.approx(2.0)
+    assert informed_score(view, view.derivatives) == 0.0
+    assert informed_score(view, np.zeros((2, 2))) == pytest.approx(-2.0)
+    with pytest.raises(ValidationError):
+        DerivativeView("participant", own, np.zeros((3, 2)))
