@@ -244,6 +244,7 @@ class _Plan:
         scatter = 2 * size * (2 * self.d + 1) * self.item
         pairs = min(max(REFINE_CHUNK, size + 2 * widest), size * (size + 2 * widest))
         refine = pairs * 48 + min(pairs, REFINE_CHUNK) * self.d * (3 * self.item + 24)
+        refine += min(self.n, size + 2 * widest) * self.d * 8  # a scatter's per-row sums
         near = size * widest * 64 + (0 if dense else size * (size + 2 * widest) * (self.item + 3))
         kept = int(np.sum(kmax)) * size * self.slot if symmetric else 2 * size * widest * self.slot
         return self.fixed + tile + scatter + refine + near + kept
@@ -554,16 +555,29 @@ class _Computation:
 
     def _scatter_pairs(self, i: np.ndarray, j: np.ndarray, scale: np.ndarray, sign: float) -> None:
         """As :meth:`_scatter` for a list of pairs ``(i, j)`` with weights ``scale``, from the exact
-        (uncentred) difference vectors, ``REFINE_CHUNK`` pairs at a time."""
+        (uncentred) difference vectors, ``REFINE_CHUNK`` pairs at a time; ``i`` is non-decreasing, as
+        :meth:`_pairs` yields the pairs.
+
+        Each chunk's terms are summed per derivative row, and each row's sum then added to the row,
+        with no sort: on the ``i`` side by ``np.add.reduceat`` over the runs of equal ``i``; on the
+        ``j`` side one after another in the order of the pairs, by one ``bincount`` over the flattened
+        ``(row, coordinate)`` cells (a row the chunk does not touch gets ``+0.0``, which leaves it
+        unchanged). Only that ``j``-side order differs from sorting ``j`` and summing with
+        ``np.add.reduceat`` (which adds in blocks): the float64 sums agree to a few units in the last
+        place, so the derivatives agree to about 1e-15 of the largest in float64, and to their rounding
+        in float32.
+        """
+        d = self.d
+        cells = np.arange(d)
         for s in range(0, i.size, REFINE_CHUNK):
             a, b = i[s : s + REFINE_CHUNK], j[s : s + REFINE_CHUNK]
             term = (self.x[a] - self.x[b]).astype(np.float64)
             term *= sign * scale[s : s + REFINE_CHUNK, None]
-            for index, value in ((a, term), (b, -term)):
-                order = np.argsort(index, kind="stable")
-                index = index[order]
-                first = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
-                self.grad[index[first]] += np.add.reduceat(value[order], first, axis=0)
+            first = np.flatnonzero(np.r_[True, a[1:] != a[:-1]])
+            self.grad[a[first]] += np.add.reduceat(term, first, axis=0)
+            lo, hi = int(b.min()), int(b.max()) + 1
+            flat = ((b - lo) * d)[:, None] + cells
+            self.grad[lo:hi] -= np.bincount(flat.ravel(), term.ravel(), (hi - lo) * d).reshape(hi - lo, d)
 
     def _finish(self, block: _Block) -> None:
         """Positive terms of ``block`` once its counts are complete: ``c_ap u_ap``, and their hinges."""
