@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -150,3 +153,27 @@ def test_asking_a_cpu_machine_for_cuda_fails_before_training(tmp_path: Path) -> 
         fedveil.train_fedavg(
             _mlp(), _separable(), rounds=1, clients_per_round=2, lr=0.1, batch_size=4, device="cuda"
         )
+
+
+def test_gpu_check_dry_run_says_the_cuda_half_and_runs_the_cpu_half(tmp_path: Path) -> None:
+    """``scripts/gpu-check --dry-run``: what the GPU machine runs, checked here so that it cannot rot."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [str(REPO / "scripts/gpu-check"), "--dry-run"],
+        env={**os.environ, "OUT": str(out), "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    for step in ("bench-fedavg", "bench-mobilefacenet", "bench-rounds"):
+        assert (
+            f"would run {step} on cuda:" in done.stderr
+            and f"--device cuda > {out}/{step}-cuda.json" in done.stderr
+        )
+        assert json.loads((out / f"{step}-cpu.json").read_text())["device"] == "cpu"
+        assert not (out / f"{step}-cuda.json").exists()
+    aiot = json.loads((out / "aiot-step-cpu.json").read_text())
+    assert aiot["run"]["device"] == "cpu" and "ours/0" in aiot["results"]
+    assert "skipped" in (out / "pytest-gpu.txt").read_text() and (out / "pytest-gpu.xml").is_file()
+    assert "finished in" in done.stderr and "0 failed step(s)" in done.stderr
