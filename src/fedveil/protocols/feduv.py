@@ -61,6 +61,7 @@ from fedveil.data.federated import FederatedDataset
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.eval.uv import DEFAULT_BINS, UvEvaluation, evaluate_histograms, score_histogram
 from fedveil.eval.verification import DEFAULT_FPR_TARGETS
+from fedveil.models.device import resolve_device
 from fedveil.models.feduv import Scaling, feduv_scores
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.codes import BchCode, bch_code
@@ -407,6 +408,8 @@ class UvClients:
     ``x_key``), warms up on ``data.split(warmup_split)`` and is evaluated on whatever split and probe set
     an :class:`EvalRequest` names. User ``i`` draws everything random (``r_u``, batch order) from its own
     generator ``client_rng(seed, i)``. ``batched`` chooses the vmap path or the one-by-one path.
+    ``device`` (:func:`~fedveil.models.device.resolve_device`) is where the users train and score: the
+    net moves there, and each user's training examples move there once; replies carry host arrays.
     """
 
     def __init__(
@@ -422,7 +425,11 @@ class UvClients:
         x_key: str = "x",
         code_cache_dir: str | None = None,
         eval_batch: int = 512,
+        device: str | torch.device = "cpu",
     ) -> None:
+        self.device = resolve_device(device)
+        model.net.to(self.device)
+        self._train_x: dict[ClientId, torch.Tensor] = {}
         self.method = method
         self.model = model
         self.data = data
@@ -540,10 +547,11 @@ class UvClients:
         if self.method.name == "feduv":
             if user.codeword is None:
                 raise ValidationError(f"user {cid} has no codeword yet: run codeword selection first")
-            return torch.from_numpy(np.array(user.codeword.vector, dtype=np.float32))
+            return torch.from_numpy(np.array(user.codeword.vector, dtype=np.float32)).to(self.device)
         if user.class_index is None:
             raise ValidationError(f"user {cid} has no class yet: run the class assignment first")
-        return F.one_hot(torch.tensor(user.class_index), self.model.num_outputs).to(torch.float32)
+        one_hot = F.one_hot(torch.tensor(user.class_index), self.model.num_outputs)
+        return one_hot.to(device=self.device, dtype=torch.float32)
 
     # -- training (Alg. 1, UserUpdate)
 
@@ -555,9 +563,15 @@ class UvClients:
         jobs = {}
         for cid, m in msgs.items():
             assert isinstance(m, UvTrainRequest)
-            x = _tensor(self.data.split(self.train_split).array(cid, self.x_key))
+            if cid not in self._train_x:  # moved to the device once
+                self._train_x[cid] = _tensor(self.data.split(self.train_split).array(cid, self.x_key)).to(
+                    self.device
+                )
+            x = self._train_x[cid]
             rng = self._users[cid].rng
-            orders = [torch.from_numpy(rng.permutation(len(x))) for _ in range(m.local_epochs)]
+            orders = [
+                torch.from_numpy(rng.permutation(len(x))).to(self.device) for _ in range(m.local_epochs)
+            ]
             jobs[cid] = (m, x, self._target(cid), orders)
         new: dict[ClientId, tuple[np.ndarray, float]] = {}
         if self.batched:
@@ -567,14 +581,14 @@ class UvClients:
                     (len(x), m.local_epochs, m.batch_size, m.lr, tuple(x.shape[1:])), []
                 ).append(cid)
             for (n, epochs, bsz, lr, _), group in groups.items():
-                p = torch.stack([_tensor(jobs[c][0].weights) for c in group])
+                p = torch.stack([_tensor(jobs[c][0].weights) for c in group]).to(self.device)
                 targets = torch.stack([jobs[c][2] for c in group])
                 batches = []
                 for e in range(epochs):
                     xs = torch.stack([jobs[c][1][jobs[c][3][e]] for c in group])
                     batches.extend((xs[:, s : s + bsz], targets) for s in range(0, n, bsz))
                 p, mean_loss = local_train_cohort(self._loss, p, batches, LocalOptimizer(lr=lr), lr)
-                new.update({c: (p[i].numpy(), float(mean_loss[i])) for i, c in enumerate(group)})
+                new.update({c: (p[i].cpu().numpy(), float(mean_loss[i])) for i, c in enumerate(group)})
         else:
             for cid, (m, x, target, orders) in jobs.items():
                 batches = [
@@ -582,8 +596,9 @@ class UvClients:
                     for order in orders
                     for s in range(0, len(x), m.batch_size)
                 ]
-                p, loss = local_train(self._loss, _tensor(m.weights), batches, LocalOptimizer(lr=m.lr), m.lr)
-                new[cid] = (p.numpy(), float(loss))
+                p0 = _tensor(m.weights).to(self.device)
+                p, loss = local_train(self._loss, p0, batches, LocalOptimizer(lr=m.lr), m.lr)
+                new[cid] = (p.cpu().numpy(), float(loss))
         return {
             cid: UvTrainReply(m.round, len(jobs[cid][1]), new[cid][1], new[cid][0])
             for cid, m in msgs.items()
@@ -594,7 +609,7 @@ class UvClients:
 
     def _represent(self, p: torch.Tensor, x: np.ndarray) -> torch.Tensor:
         """The method's representation of inputs ``x`` under deployed weights ``p``, in fixed chunks."""
-        xt = _tensor(x)
+        xt = _tensor(x).to(self.device)
         with torch.no_grad():
             return torch.cat(
                 [
@@ -607,7 +622,7 @@ class UvClients:
         """Digest of the parameters a representation depends on: users with equal keys share the
         probe set's representations (batched path only)."""
         used = p if self.method.head_in_representation else self.model.feature_params(p)
-        return hashlib.blake2b(used.numpy().tobytes(), digest_size=16).digest()
+        return hashlib.blake2b(used.cpu().numpy().tobytes(), digest_size=16).digest()
 
     def _scores(self, cid: ClientId, h: torch.Tensor) -> np.ndarray:
         user = self._users[cid]
@@ -615,7 +630,7 @@ class UvClients:
         w = user.deployed[self.model.slice_of("fc.weight")].view(self.model.num_outputs, -1)
         with torch.no_grad():
             template = self.method.template(self._target(cid), w)
-            return self.method.scores(h, template).numpy()
+            return self.method.scores(h, template).cpu().numpy()
 
     def _deploy(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
         """Alg. 2 Warm-up, per user: score the warm-up inputs, keep ``tau`` locally."""
@@ -624,7 +639,7 @@ class UvClients:
         for cid, m in msgs.items():
             assert isinstance(m, Deploy)
             user = self._users[cid]
-            user.deployed = _tensor(m.weights)
+            user.deployed = _tensor(m.weights).to(self.device)
             x = warmup.array(cid, self.x_key)
             user.threshold = warmup_threshold(self._scores(cid, self._represent(user.deployed, x)), m.q)
             out[cid] = Deployed(len(x))

@@ -69,6 +69,7 @@ from fedveil.experiments.checkpoint import (
 )
 from fedveil.experiments.config import load_run_config, refuse_keys_without_effect
 from fedveil.experiments.plots import series_figure
+from fedveil.models.device import check_device_spec
 from fedveil.models.feduv import build_uv_net
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 from fedveil.protocols.feduv import (
@@ -176,7 +177,8 @@ class FeduvRunConfig:
     Training: ``rounds`` of Alg. 1 with ``train``. Methods: ``methods`` from :data:`METHOD_NAMES`, FedUV once
     per code length of ``code_lengths``. FedAwS: ``spreadout_steps`` and ``spreadout_margin`` (``nu``).
     Warm-up target TPR ``q``; evaluation histogram ``bins``. ``threads`` for torch (per process);
-    ``batched`` client work; ``workers`` processes training methods side by side.
+    ``batched`` client work; ``workers`` processes training methods side by side; ``device`` where the
+    users train and score (:func:`~fedveil.models.device.resolve_device`).
     """
 
     name: str = "feduv_mnist_uv_small"
@@ -199,8 +201,10 @@ class FeduvRunConfig:
     threads: int = 1
     batched: bool = True
     workers: int = 1
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_device_spec(self.device)
         unknown = [m for m in self.methods if m not in METHOD_NAMES]
         if unknown or not self.methods:
             raise ConfigError(f"methods {list(self.methods)!r}: choose from {', '.join(METHOD_NAMES)}")
@@ -331,6 +335,7 @@ def feduv_clients(
         seed=cfg.seed,
         batched=cfg.batched,
         code_cache_dir=code_cache_dir,
+        device=cfg.device,
     )
 
 
