@@ -60,6 +60,7 @@ from fedveil.core.communicator import ClientId, Communicator
 from fedveil.data.federated import FederatedDataset
 from fedveil.enclave.layerwise import ParamSpec
 from fedveil.errors import ConfigError, FedveilError, ValidationError
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.measure import LiveBytes
 from fedveil.models.vision import LayerwiseNet
@@ -535,6 +536,11 @@ class PpflClients:
     ``batched``: train a round's cohort as one vectorised computation (:meth:`_fit_cohort`); ``None``
     (default) where the stage's network is small enough for that to be faster (the FedAvg engine's rule,
     :data:`~fedveil.protocols.fedavg.BATCH_BELOW_PARAMS`).
+
+    ``device`` (:func:`~fedveil.models.device.resolve_device`) is where each REE runs its frozen layers:
+    its examples move there once, copies of the released layers once per release, and the activations
+    ``T_{l-1}`` come back to host memory for the TEE, which stays on the CPU (as the enclave does). The
+    released layers the REE keeps (:attr:`frozen`, :meth:`trained_model`) stay on the CPU.
     """
 
     def __init__(
@@ -554,7 +560,11 @@ class PpflClients:
         x_key: str = "x",
         y_key: str = "y",
         batched: bool | None = None,
+        device: str | torch.device = "cpu",
     ) -> None:
+        self.device = resolve_device(device)
+        self._inputs: dict[tuple[ClientId, str], torch.Tensor] = {}
+        self._on_device: dict[ClientId, list[nn.Module]] = {}
         self.model = model
         self.batched = batched
         self.data = data
@@ -752,12 +762,25 @@ class PpflClients:
         return nn.Sequential(*self.frozen[cid], self.heads[cid])
 
     def _activations(self, cid: ClientId, key: str) -> torch.Tensor:
-        """``T_{l-1}`` for all the client's examples: the frozen layers run in the REE."""
-        x = torch.tensor(self.data.array(cid, key), dtype=torch.float32)
+        """``T_{l-1}`` for all the client's examples: the frozen layers run in the REE, on the device;
+        the result is in host memory."""
+        if (cid, key) not in self._inputs:
+            x = torch.tensor(self.data.array(cid, key), dtype=torch.float32)
+            self._inputs[(cid, key)] = x.to(self.device)
+        x = self._inputs[(cid, key)]
         with torch.no_grad():
-            for unit in self.frozen[cid]:
+            for unit in self._ree_units(cid):
                 x = unit(x)
-        return x
+        return x.cpu()
+
+    def _ree_units(self, cid: ClientId) -> list[nn.Module]:
+        """The REE's frozen layers on the device: on the CPU those of :attr:`frozen` themselves, elsewhere
+        a copy of each, made once after its release."""
+        if self.device.type == "cpu":
+            return self.frozen[cid]
+        held = self._on_device.setdefault(cid, [])
+        held.extend(copy.deepcopy(unit).to(self.device) for unit in self.frozen[cid][len(held) :])
+        return held
 
     def _check_ready(self, cid: ClientId, stage: int) -> None:
         expect(

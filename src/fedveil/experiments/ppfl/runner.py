@@ -89,6 +89,7 @@ from fedveil.experiments.fdml.runner import device_sessions
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.plots import plot_series
 from fedveil.experiments.report import announce_stand_in
+from fedveil.models.device import check_device_spec
 from fedveil.models.flat import FlatModel
 from fedveil.models.vision import LayerwiseNet
 from fedveil.models.weights import load_weights
@@ -123,7 +124,9 @@ class PpflRun:
     is Table 3's measure: E2E FedAvg trains first for that many rounds, and PPFL stops as soon as an
     evaluation reaches E2E's final accuracy; the results give the rounds and bytes it took.
     ``model_init`` (:data:`fedveil.models.zoo.INITS`) is how both E2E's model and each PPFL stage (drawn
-    inside the enclave) start: ``darknet`` is how PPFL's own implementation starts them."""
+    inside the enclave) start: ``darknet`` is how PPFL's own implementation starts them. ``device``
+    (:func:`~fedveil.models.device.resolve_device`) is where the REEs run their frozen layers and E2E's
+    clients train; the TEEs and the server's enclave stay on the CPU."""
 
     name: str = "ppfl"
     data: str = "fashion-mnist"
@@ -143,8 +146,10 @@ class PpflRun:
     pretrained: str | None = None
     threads: int = 2
     ppfl: PpflConfig = field(default_factory=PpflConfig)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_device_spec(self.device)
         if not self.tee_mib or any(not (isinstance(v, (int, float)) and v > 0) for v in self.tee_mib):
             raise ConfigError(f"tee_mib {self.tee_mib!r} must list one or more sizes > 0 (MiB)")
         if self.boundary not in BOUNDARIES:
@@ -194,6 +199,7 @@ class PpflRun:
             rounds=1,
             seed=self.seed,
             model_init=self.model_init,
+            device=self.device,
         )
 
 
@@ -598,6 +604,7 @@ def train_ppfl(
             sessions=sessions,
             tee_bytes=tee,
             evaluators=[EVALUATOR],
+            device=run.device,
         )
         runtime = SimulationRuntime(pool, rng=np.random.default_rng(run.seed + 1), tap=tap)
         server = PpflServer(
