@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from fedveil.attacks.derivatives import DerivativeView, direction_score, dp_consistency, informed_score
+from fedveil.attacks.mia_metric import metric_membership_attack
 from fedveil.attacks.scores import score_attack
+from fedveil.attacks.views import ModelView, SealedView
 from fedveil.errors import ValidationError
-from fedveil.experiments.attacks.fdml_views import fdml_derivative_table
+from fedveil.experiments.attacks.fdml_views import fdml_derivative_table, fdml_membership_table
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +61,32 @@ def test_scores_on_a_hand_made_view() -> None:
     assert informed_score(view, np.zeros((2, 2))) == pytest.approx(-2.0)
     with pytest.raises(ValidationError):
         DerivativeView("participant", own, np.zeros((3, 2)))
+
+
+class _Flatten(nn.Module):
+    """An 'embedding network' that returns its input, flattened: the spread of a user is its samples'."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+
+def test_metric_membership_separates_tight_members_and_calibration_removes_it() -> None:
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0.0, 5.0, (40, 1, 6))
+    spread = np.r_[np.full(20, 0.2), np.full(20, 1.0)][:, None, None]  # members sit tighter
+    samples = centres + spread * rng.normal(size=(40, 10, 6))
+    is_member = np.r_[np.ones(20, bool), np.zeros(20, bool)]
+    view = ModelView("released", _Flatten())
+    assert metric_membership_attack(view, samples, is_member).auc == 1.0
+    # against itself as the reference every ratio is 1: nothing is left to separate
+    assert metric_membership_attack(view, samples, is_member, reference=view).auc == 0.5
+    with pytest.raises(ValidationError, match="no plaintext view"):
+        metric_membership_attack(SealedView("eavesdropper", 10), samples, is_member)
+
+
+def test_fdml_membership_table_reports_attacks_and_control(tmp_path) -> None:
+    summary = fdml_membership_table(users=8, rounds=2, num_required=16, candidate_samples=10, out=tmp_path)
+    assert summary["run"]["data"] == "SYNTHETIC TouchAuth"
+    assert summary["run"]["members"] == summary["run"]["non_members"] == 8
+    assert set(summary["attacks"]) == {"target/spread", "target/spread-calibrated", "control/initial-network"}
+    assert (tmp_path / "fdml_membership.json").is_file()

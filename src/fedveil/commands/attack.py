@@ -19,6 +19,9 @@
   step-6 derivatives whether a target embedding was in the round, without DP and with FDML Alg. 2 in
   both clipping modes, beside the epsilon that bounds it
   (:func:`~fedveil.experiments.attacks.fdml_views.fdml_derivative_table`).
+- ``fedveil attack fdml-membership [--users 64] [--rounds 120] [--num-required 64] [--seed 0] [--out DIR]
+  [--json]``: user-level membership inference against the FDML embedding network every selected device
+  receives, beside the control (:func:`~fedveil.experiments.attacks.fdml_views.fdml_membership_table`).
 """
 
 from __future__ import annotations
@@ -103,6 +106,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--epsilons", default="0.5,2,8", help="per-round epsilons of Alg. 2 (default 0.5,2,8)")
     p.add_argument("--drop-rate", type=float, default=0.0, help="Alg. 2 embedding drop rate r (default 0)")
     _common(p)
+    p = attacks.add_parser(
+        "fdml-membership",
+        help="FDML: user-level membership inference against the global embedding network",
+        description="FDML: train on SYNTHETIC TouchAuth without DP and infer which users trained from the "
+        "global embedding network every selected device receives, beside a control",
+    )
+    p.add_argument("--users", type=int, default=64, help="training users, and as many unseen (default 64)")
+    p.add_argument("--rounds", type=int, default=120, help="FDML rounds (default 120)")
+    p.add_argument("--num-required", type=int, default=64, help="embeddings per round (default 64)")
+    _common(p)
     parser.set_defaults(func=run)
 
 
@@ -120,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         return _feduv_codeword(args)
     if args.attack == "fdml-derivatives":
         return _fdml_derivatives(args)
+    if args.attack == "fdml-membership":
+        return _fdml_membership(args)
     if args.attack in attack_runs.INVERSIONS:
         summary = attack_runs.run_inversion(
             args.attack,
@@ -254,4 +269,24 @@ def _fdml_derivatives(args: argparse.Namespace) -> int:
                 f"empirical eps >= {check['epsilon_lower']:.2f}"
             )
         print(line)
+    return 0
+
+
+def _fdml_membership(args: argparse.Namespace) -> int:
+    """``fedveil attack fdml-membership``: train, attack and print one line per attack."""
+    from fedveil.experiments.attacks.fdml_views import fdml_membership_table
+
+    summary = fdml_membership_table(
+        users=args.users, rounds=args.rounds, num_required=args.num_required, seed=args.seed, out=args.out
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2, default=float))
+        return 0
+    run = summary["run"]
+    print(f"{run['data']}: {run['members']} members, {run['non_members']} non-members")
+    for name, rep in summary["attacks"].items():
+        print(
+            f"{name:26s} AUC {rep['auc']:.3f} (null s.e. {rep['auc_null_std_error']:.3f})  "
+            f"TPR@FPR {rep['tpr_at_fpr']}"
+        )
     return 0

@@ -20,10 +20,19 @@ Each is reported as AUC with its null standard error, beside the per-round epsil
 release is reported beside it) and in ``strict`` mode (L1 clipping, ``b`` from the strict epsilon of the
 ``m`` vectors participant 0 receives). The clipping bound is [FDML] Sec. VIII's ``T = 2e-5``, which
 binds on every derivative here.
+
+**Uncovered view: the global model** (docs/privacy.md: it is updated from un-noised gradients and sent
+to every selected device). :func:`fdml_membership_table` trains FDML (Alg. 1, no DP) on SYNTHETIC
+TouchAuth users and runs user-level membership inference on the embedding network every selected device
+receives (:mod:`fedveil.attacks.mia_metric`): the training users against as many unseen test users, by
+the spread of each user's embeddings, raw and calibrated by the initial network (which every device
+selected in the first round received); control: the same score on the initial network alone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +47,9 @@ from fedveil.attacks.derivatives import (
     expected_release,
     informed_score,
 )
+from fedveil.attacks.mia_metric import metric_membership_attack
 from fedveil.attacks.scores import score_attack
+from fedveil.attacks.views import ModelView
 from fedveil.core.atomic import atomic_write
 from fedveil.enclave.dp import (
     paper_noise_scale,
@@ -47,10 +58,19 @@ from fedveil.enclave.dp import (
     strict_round_epsilon,
 )
 from fedveil.errors import ConfigError
+from fedveil.experiments.config import load_config
+from fedveil.experiments.fdml.runner import build_population, build_trainer, evaluate_weights, input_shape
 from fedveil.protocols.fdml import DPRelease, LocalEnclave
 from fedveil.protocols.messages import EmbedReply
 
-__all__ = ["PAPER_BOUND_T", "fdml_derivative_table"]
+__all__ = ["MEMBERSHIP_FPR_TARGETS", "PAPER_BOUND_T", "fdml_derivative_table", "fdml_membership_table"]
+
+MEMBERSHIP_FPR_TARGETS = (0.02, 0.05, 0.1)
+"""The low FPRs membership inference is reported at (0.02 is the lowest that 64 non-members resolve)."""
+
+SEC_VII_C_MIN_USERS = 21
+"""Test users [FDML] Sec. VII-C's accuracy needs (the user, 10 threshold users, 10 evaluation users); with
+fewer, the table reports no accuracy."""
 
 PAPER_BOUND_T = 2e-5
 """[FDML] Sec. VIII: "We set the bound T in Algorithm 2 as 2e-5 for all the experiments"."""
@@ -191,5 +211,108 @@ def fdml_derivative_table(
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(
             out / "fdml_derivatives.json", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode()
+        )
+    return summary
+
+
+def fdml_membership_table(
+    *,
+    users: int = 64,
+    rounds: int = 120,
+    num_required: int = 64,
+    samples_per_client: int = 8,
+    lr: float = 3e-3,
+    candidate_samples: int = 40,
+    seed: int = 0,
+    out: Path | None = None,
+) -> dict[str, Any]:
+    """The uncovered-view table (module docstring): FDML trained ``rounds`` rounds (``num_required``
+    embeddings of ``samples_per_client`` per device a round, so ``num_required / samples_per_client``
+    devices, Adam at ``lr``: the Table I recipe's 3e-3) on ``users`` SYNTHETIC TouchAuth training users of
+    one phone model, then attacked on
+    ``candidate_samples`` samples of each training user (random-start windows, as in training) and of as
+    many test users. Returns (and writes to ``out/fdml_membership.json``) the attacks and the control."""
+    if candidate_samples > 40:
+        raise ConfigError(f"candidate_samples {candidate_samples} exceeds the 40 samples of a test user")
+    cfg = load_config(
+        None,
+        [
+            f"seed={seed}",
+            f"data.seed={seed}",
+            f"data.train_users_per_model=[{users}]",
+            f"data.test_users_per_model=[{users}]",
+            f"fdml.num_required={num_required}",
+            f"fdml.samples_per_client={samples_per_client}",
+            f"fdml.lr={lr}",
+            f"rounds={rounds}",
+            "enclave.boundary=none",  # the global model is the same across boundaries; no enclave needed
+        ],
+    )
+    population = build_population(cfg)
+    trainer = build_trainer(cfg, population)
+    initial = trainer.embedding_weights().copy()
+
+    async def train() -> None:
+        await trainer.server.register(trainer.runtime)
+        for rnd in range(1, rounds + 1):
+            await trainer.server.run_round(rnd, trainer.runtime)
+
+    try:
+        asyncio.run(train())
+    finally:
+        trainer.close()
+    trained = trainer.embedding_weights()
+    rng = np.random.default_rng([seed, 7])
+    members = np.stack(
+        [population.sample_training(u, candidate_samples, rng) for u in population.train_user_ids()]
+    )
+    _, tests = population.test_samples()
+    samples = np.concatenate([members, tests[:, :candidate_samples]])
+    samples = samples.reshape(*samples.shape[:2], *input_shape(cfg))
+    is_member = np.r_[np.ones(len(members), bool), np.zeros(len(tests), bool)]
+    model_view = ModelView(
+        "every selected device: the global embedding network",
+        copy.deepcopy(trainer.embed_flat.load_into_module(trained)),
+    )
+    initial_view = ModelView(
+        "every device selected in round 1: the initial network",
+        copy.deepcopy(trainer.embed_flat.load_into_module(initial)),
+    )
+    rows = {
+        "target/spread": metric_membership_attack(
+            model_view, samples, is_member, fpr_targets=MEMBERSHIP_FPR_TARGETS
+        ),
+        "target/spread-calibrated": metric_membership_attack(
+            model_view, samples, is_member, reference=initial_view, fpr_targets=MEMBERSHIP_FPR_TARGETS
+        ),
+        "control/initial-network": metric_membership_attack(
+            initial_view, samples, is_member, fpr_targets=MEMBERSHIP_FPR_TARGETS
+        ),
+    }
+    accuracy = None
+    if users >= SEC_VII_C_MIN_USERS:
+        accuracy = evaluate_weights(trainer.embed_flat, trained, population, cfg.eval.seed)[0][
+            "accuracy_percent"
+        ]
+    summary = {
+        "run": {
+            "data": "SYNTHETIC TouchAuth",
+            "members": int(is_member.sum()),
+            "non_members": int((~is_member).sum()),
+            "rounds": rounds,
+            "num_required": num_required,
+            "samples_per_client": samples_per_client,
+            "candidate_samples": candidate_samples,
+            "lr": cfg.fdml.lr,
+            "seed": seed,
+            "accuracy_percent": accuracy,
+            "observer": "every selected device: the global embedding network (no DP covers it)",
+        },
+        "attacks": {name: r.as_dict() for name, r in rows.items()},
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(
+            out / "fdml_membership.json", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode()
         )
     return summary
