@@ -22,8 +22,9 @@ from fedveil.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
-__all__ = ["DEVICE_SPECS", "check_device_spec", "resolve_device", "synchronize"]
+__all__ = ["DEVICE_SPECS", "check_device_spec", "module_device", "resolve_device", "synchronize"]
 
 DEVICE_SPECS = "auto, cpu, cuda or cuda:N"
 """The spellings a ``device`` setting accepts, as error messages and help texts name them."""
@@ -77,3 +78,10 @@ def synchronize(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where ``module``'s parameters are (the CPU for a module without any): where its inputs go."""
+    import torch
+
+    return next((p.device for p in module.parameters()), torch.device("cpu"))

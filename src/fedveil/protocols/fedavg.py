@@ -52,7 +52,7 @@ from fedveil.data.federated import FederatedDataset
 from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_max_upload_norm, check_upload
 from fedveil.enclave.secure_noise import SecureNoise
 from fedveil.errors import ConfigError, ValidationError
-from fedveil.models.device import resolve_device
+from fedveil.models.device import module_device, resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.common import (
     ClientData,
@@ -451,7 +451,7 @@ def evaluate_model(
         raise ValidationError(f"evaluation needs matching non-empty inputs and labels: {len(x)}, {len(y)}")
     was_training = model.training
     model.eval()
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = module_device(model)
     correct, total_loss = 0, 0.0
     with torch.no_grad():
         for s in range(0, len(x), batch_size):

@@ -53,6 +53,7 @@ from fedveil.core.messages import message
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.enclave.secure_noise import SecureNoise
 from fedveil.errors import ConfigError, ValidationError
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.groups import GroupLedger, noise_multiplier
 from fedveil.privacy.pairs import DataPolicyPair, PolicyViolation, Side, apply, next_commands
@@ -481,7 +482,9 @@ class PolicyDevices:
     ``builder`` (networked devices, which serve many jobs), each job's model comes from its
     :class:`JobStart`'s spec; a spec the builder refuses is a refused job. ``secure_noise``: the devices'
     noise shares (local DP mode) come from the secure sampler (``ClipAndNoise(secure_noise=True)``), as
-    networked devices' do; a simulation keeps each device's seeded generator.
+    networked devices' do; a simulation keeps each device's seeded generator. ``device``
+    (:func:`~fedveil.models.device.resolve_device`) is where the accepted devices train (the model moves
+    there; each job's prepared values move there once).
     """
 
     def __init__(
@@ -497,7 +500,9 @@ class PolicyDevices:
         memory_limit: int = 1 << 30,
         builder: ModelBuilder | None = None,
         secure_noise: bool = False,
+        device: str | torch.device = "cpu",
     ) -> None:
+        self.device = resolve_device(device)
         if flat is None and builder is None:
             raise ConfigError("devices need a model or a builder that makes each job's model from its spec")
         self.builder = builder
@@ -587,6 +592,7 @@ class PolicyDevices:
                 loss=self.loss,
                 transform=transform,
                 batched=self.batched,
+                device=self.device,
             )
         return out
 

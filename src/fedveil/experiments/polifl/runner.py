@@ -58,6 +58,7 @@ from fedveil.experiments.checkpoint import StopAtRoundEnd, crash_point, prepare_
 from fedveil.experiments.config import load_run_config
 from fedveil.experiments.plots import Note, Reference, series_figure
 from fedveil.experiments.report import announce_stand_in
+from fedveil.models.device import check_device_spec, module_device
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.groups import GroupLedger, noise_multiplier
 from fedveil.privacy.pairs import DataPolicyPair, PolicyViolation
@@ -126,7 +127,8 @@ class PolifLRun:
     ``eta``), DP with ``clip_norm`` ``S`` in ``dp_mode`` ``central`` or ``local`` (Alg. 3), accounted at
     ``delta`` by ``accounting`` (``pld`` or ``rdp``); ``vocab`` words (``text``; ``hidden`` is then the
     embedding and LSTM width, 200 in the paper); ``rounds`` per group stage (``combined`` trains
-    ``rounds x groups``); ``stop_at_budget`` shortens a stage to the rounds every group's budget allows."""
+    ``rounds x groups``); ``stop_at_budget`` shortens a stage to the rounds every group's budget allows.
+    ``device``: where the simulated devices train (:func:`~fedveil.models.device.resolve_device`)."""
 
     name: str = "polifl"
     task: str = "images"
@@ -156,8 +158,10 @@ class PolifLRun:
     eval_every: int = 5
     seed: int = 0
     threads: int = 2
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_device_spec(self.device)
         if self.task not in TASKS:
             raise ConfigError(f"task {self.task!r} is not one of {', '.join(TASKS)}")
         if len(self.groups) < 1:
@@ -383,7 +387,7 @@ def _mpu(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
     def evaluate(weights: np.ndarray) -> float:
         model = flat.load_into_module(weights).eval()
         with torch.no_grad():
-            scores = model(test_x).numpy()
+            scores = model(test_x.to(module_device(model))).cpu().numpy()
         return roc_auc(scores[test_y == 1], scores[test_y == 0])
 
     return Task(
@@ -413,9 +417,10 @@ def _text(run: PolifLRun, members: dict[str, list[str]] | None) -> Task:
 
     def evaluate(weights: np.ndarray) -> float:
         model = flat.load_into_module(weights).eval()
+        where = module_device(model)
         with torch.no_grad():
             hits = sum(
-                int((model(test_x[i : i + 64]).argmax(-1) == test_y[i : i + 64]).sum())
+                int((model(test_x[i : i + 64].to(where)).argmax(-1).cpu() == test_y[i : i + 64]).sum())
                 for i in range(0, len(test_x), 64)
             )
         return hits / test_y.numel()
@@ -590,6 +595,7 @@ class _Host:
                 seed=run.seed,
                 loss=task.loss,
                 batched=task.batched,
+                device=run.device,
             )
             self.runtime = SimulationRuntime(devices, rng=np.random.default_rng(run.seed + 1))
             self.devices = devices
