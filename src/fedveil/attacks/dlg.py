@@ -63,6 +63,7 @@ def dlg_attack(
     restart_tolerance: float = DLG_RESTART_TOLERANCE,
     snapshot_every: int | None = None,
     optimize_hidden: bool = False,
+    device: str = "cpu",
 ) -> InversionResult:
     """Run DLG (Zhu et al. 2019, Alg. 1) on ``view`` for a batch of ``image_shape`` ``(C, H, W)`` images.
 
@@ -71,10 +72,11 @@ def dlg_attack(
     first whose objective is below ``restart_tolerance * ||grad_W||^2``, the best kept; snapshots every
     ``snapshot_every`` iterations. ``optimize_hidden`` optimises the view's hidden parameters jointly with
     the dummy (the attacker of [AIoT], Sec. 5.5, who must guess the private projector).
-    The labels returned are the argmax of the optimised dummy label. A sealed view raises
-    :class:`~fedveil.attacks.views.NoPlaintextView`.
+    The labels returned are the argmax of the optimised dummy label. ``device``
+    (:func:`~fedveil.models.device.resolve_device`) is where the matching runs; the result is in host
+    memory. A sealed view raises :class:`~fedveil.attacks.views.NoPlaintextView`.
     """
-    target = gradient_target(view, "DLG", image_shape=image_shape, batch_size=batch_size)
+    target = gradient_target(view, "DLG", image_shape=image_shape, batch_size=batch_size, device=device)
     return gradient_matching(
         target,
         attack="DLG",

@@ -114,6 +114,7 @@ def idlg_attack(
     restart_tolerance: float = DLG_RESTART_TOLERANCE,
     snapshot_every: int | None = None,
     optimize_hidden: bool = False,
+    device: str = "cpu",
 ) -> InversionResult:
     """Run iDLG (Zhao et al. 2020) on ``view``: infer the labels, then DLG with them fixed (hard one-hot).
 
@@ -121,7 +122,7 @@ def idlg_attack(
     :class:`~fedveil.attacks.views.NoPlaintextView`; a model whose last layer is not a seen ``nn.Linear``
     raises :class:`ValidationError`.
     """
-    target = gradient_target(view, "iDLG", image_shape=image_shape, batch_size=batch_size)
+    target = gradient_target(view, "iDLG", image_shape=image_shape, batch_size=batch_size, device=device)
     labels = infer_target_labels(target)
     return gradient_matching(
         target,

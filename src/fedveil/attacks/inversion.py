@@ -52,6 +52,7 @@ from fedveil.attacks.image_metrics import as_images, reconstruction_metrics
 from fedveil.attacks.views import ObserverView, UpdateView, require_update_view
 from fedveil.core.atomic import atomic_file
 from fedveil.errors import ConfigError, ValidationError
+from fedveil.models.device import resolve_device
 
 __all__ = [
     "Distance",
@@ -135,9 +136,16 @@ def _check_seed(seed: object) -> int:
 
 
 def gradient_target(
-    view: ObserverView, attack: str, *, image_shape: Sequence[int], batch_size: int | None = None
+    view: ObserverView,
+    attack: str,
+    *,
+    image_shape: Sequence[int],
+    batch_size: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> GradientTarget:
-    """The matching problem of ``view`` for images of ``image_shape`` ``(C, H, W)``.
+    """The matching problem of ``view`` for images of ``image_shape`` ``(C, H, W)``, posed on ``device``
+    (:func:`~fedveil.models.device.resolve_device`: the observed gradients and copies of the model's
+    parameters and buffers move there; the view itself is not changed).
 
     ``batch_size`` defaults to ``view.num_samples`` (else 1). A sealed view raises
     :class:`~fedveil.attacks.views.NoPlaintextView`; a model that does not map a ``(B, C, H, W)`` batch to
@@ -150,9 +158,13 @@ def gradient_target(
     batch = _positive_int("batch_size", batch_size if batch_size is not None else uv.num_samples or 1)
     observed_all = uv.as_gradient()
     names = tuple(n for n, _ in uv.model.named_parameters() if n in observed_all)
-    params = {n: p.detach().clone().requires_grad_(n in observed_all) for n, p in uv.model.named_parameters()}
-    buffers = {n: b.detach().clone() for n, b in uv.model.named_buffers()}
-    probe = torch.zeros((batch, *shape), dtype=next(iter(params.values())).dtype)
+    where = resolve_device(device)
+    params = {
+        n: p.detach().clone().to(where).requires_grad_(n in observed_all)
+        for n, p in uv.model.named_parameters()
+    }
+    buffers = {n: b.detach().clone().to(where) for n, b in uv.model.named_buffers()}
+    probe = torch.zeros((batch, *shape), dtype=next(iter(params.values())).dtype, device=where)
     try:
         with torch.no_grad():
             out = functional_call(uv.model, {**params, **buffers}, (probe,))
@@ -165,7 +177,7 @@ def gradient_target(
         raise ValidationError(
             f"{attack}: the model maps a batch of {batch} to {got}, expected ({batch}, classes)"
         )
-    observed = tuple(observed_all[n].to(params[n].dtype) for n in names)
+    observed = tuple(observed_all[n].to(device=where, dtype=params[n].dtype) for n in names)
     return GradientTarget(uv, names, observed, params, buffers, shape, batch, int(out.shape[1]))
 
 
@@ -246,11 +258,12 @@ def _one_run(
     dtype = target.observed[0].dtype
     size = (target.batch_size, *target.image_shape)
     draw = torch.rand if init == "uniform" else torch.randn
-    x = draw(size, generator=gen, dtype=dtype).requires_grad_(True)
+    where = target.observed[0].device  # drawn on the host (the seeded generator's), then moved there
+    x = draw(size, generator=gen, dtype=dtype).to(where).requires_grad_(True)
     label_logits = None
     if labels is None:
         label_logits = torch.randn((target.batch_size, target.num_classes), generator=gen, dtype=dtype)
-        label_logits.requires_grad_(True)
+        label_logits = label_logits.to(where).requires_grad_(True)
     hidden = (
         {n: target.params[n].detach().clone().requires_grad_(True) for n in target.view.hidden}
         if optimize_hidden
@@ -366,7 +379,7 @@ def gradient_matching(
     if optimize_hidden and not target.view.hidden:
         raise ConfigError(f"{attack}: optimize_hidden=True but the view hides no parameter")
     if labels is not None:
-        labels = torch.as_tensor(labels)
+        labels = torch.as_tensor(labels).to(target.observed[0].device)
         if labels.shape != (target.batch_size,) or labels.dtype != torch.int64:
             raise ValidationError(
                 f"{attack}: labels have shape {tuple(labels.shape)} and dtype {labels.dtype}, "
@@ -410,9 +423,9 @@ def gradient_matching(
         )
     return InversionResult(
         attack=attack,
-        images=best.best_x.clamp(0.0, 1.0),
-        labels=out_labels,
-        history=best.history,
+        images=best.best_x.clamp(0.0, 1.0).cpu(),
+        labels=out_labels.cpu(),
+        history=[(it, image.cpu()) for it, image in best.history],
         losses=best.losses,
         final_loss=best.best_loss,
         seconds=seconds,

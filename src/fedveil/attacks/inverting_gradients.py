@@ -60,6 +60,7 @@ def inverting_gradients_attack(
     labels: torch.Tensor | None = None,
     snapshot_every: int | None = None,
     optimize_hidden: bool = False,
+    device: str = "cpu",
 ) -> InversionResult:
     """Run Inverting Gradients (Geiping et al. 2020, Eq. 4; module docstring) on ``view``.
 
@@ -67,10 +68,14 @@ def inverting_gradients_attack(
     knows them; otherwise iDLG's inference (the last layer must then be a seen ``nn.Linear``). The dummy
     is drawn with ``seed`` (``init``: ``"uniform"`` on ``[0, 1]`` or ``"normal"``, then boxed).
     ``optimize_hidden`` optimises the view's hidden parameters jointly (raw Adam steps, not signed).
+    ``device`` (:func:`~fedveil.models.device.resolve_device`) is where the matching runs; the result is
+    in host memory.
     A sealed view raises :class:`~fedveil.attacks.views.NoPlaintextView`; an all-zero observed gradient
     (no direction to match) raises :class:`ValidationError`.
     """
-    target = gradient_target(view, "Inverting Gradients", image_shape=image_shape, batch_size=batch_size)
+    target = gradient_target(
+        view, "Inverting Gradients", image_shape=image_shape, batch_size=batch_size, device=device
+    )
     if all(not bool(g.any()) for g in target.observed):
         raise ValidationError(
             f"Inverting Gradients: the observed gradient of {view.observer!r} is zero everywhere; "

@@ -615,6 +615,7 @@ def _add_dlg(sub: Any) -> None:
     p = sub.add_parser("dlg", help="DLG iterations per second at batch 1 (sigmoid LeNet, 28x28)")
     p.add_argument("--iterations", type=int, default=50, help="L-BFGS iterations per run (default 50)")
     p.add_argument("--repeats", type=int, default=3, help="runs; the median is reported (default 3)")
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(bench_func=_run_dlg)
 
@@ -623,7 +624,7 @@ def _run_dlg(args: argparse.Namespace) -> int:
     from fedveil.experiments.bench.fedavg import bench_dlg
 
     _require_positive(args, "iterations", "repeats")
-    row = bench_dlg(iterations=args.iterations, repeats=args.repeats)
+    row = bench_dlg(iterations=args.iterations, repeats=args.repeats, device=args.device)
     if args.json:
         print(json.dumps(row, indent=2))
     else:
