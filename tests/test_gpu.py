@@ -24,11 +24,20 @@ import pytest
 import torch
 
 import fedveil
+from fedveil.attacks.dlg import dlg_attack
+from fedveil.attacks.inversion import (
+    client_gradient_view,
+    dummy_gradients,
+    gradient_target,
+    squared_l2_distance,
+)
 from fedveil.cli import main
 from fedveil.core.attestation_verify import EnclaveClientSession
+from fedveil.data.images import synthetic_fashion_mnist
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.runner import build_clients, build_population
 from fedveil.models.flat import FlatModel
+from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer
 from fedveil.protocols.local import LocalOptimizer
 from fedveil.protocols.messages import BackpropRequest, EmbedRequest
@@ -157,3 +166,30 @@ def test_fdml_rounds_on_cuda_follow_the_cpus_and_the_enclave_gets_host_arrays(
     assert seen and set(seen) == {np.ndarray}
     assert len(losses["cpu"]) == 3
     assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-3)
+
+
+def test_dlg_on_cuda_poses_and_starts_the_cpus_problem() -> None:
+    """DLG's L-BFGS amplifies the last-bit differences of CUDA's kernels step by step (a line search free
+    quasi-Newton method on a non-convex objective), so the attack is compared where the paths must agree:
+    the observed gradients, the objective at the seeded start (tightly), and a two-iteration run
+    (``1e-2`` relative on its best objective); its result is in host memory."""
+
+    data = synthetic_fashion_mnist(1, seed=0)
+    net = build_model("lenet-sigmoid", num_classes=10, in_channels=1, image_size=28, seed=0)
+    view = client_gradient_view(net, torch.from_numpy(data.x[:1]), torch.from_numpy(data.y[:1]))
+    targets = {d: gradient_target(view, "DLG", image_shape=(1, 28, 28), device=d) for d in ("cpu", "cuda")}
+    assert all(g.is_cuda for g in targets["cuda"].observed)
+    for a, b in zip(targets["cpu"].observed, targets["cuda"].observed, strict=True):
+        _close(a.numpy(), b.cpu().numpy())
+    start = torch.rand((1, 1, 28, 28), generator=torch.Generator().manual_seed(0))
+    label = torch.softmax(torch.randn((1, 10), generator=torch.Generator().manual_seed(1)), dim=-1)
+    objective = {
+        d: float(squared_l2_distance(dummy_gradients(t, start.to(d), label.to(d)), t.observed))
+        for d, t in targets.items()
+    }
+    assert objective["cuda"] == pytest.approx(objective["cpu"], rel=1e-4)
+    runs = {
+        d: dlg_attack(view, image_shape=(1, 28, 28), iterations=2, seed=0, device=d) for d in ("cpu", "cuda")
+    }
+    assert runs["cuda"].images.device.type == "cpu" and runs["cuda"].labels.device.type == "cpu"
+    assert runs["cuda"].final_loss == pytest.approx(runs["cpu"].final_loss, rel=1e-2)
