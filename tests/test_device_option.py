@@ -5,6 +5,7 @@ every number is exactly what fedveil computed before the setting existed."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -177,3 +178,30 @@ def test_gpu_check_dry_run_says_the_cuda_half_and_runs_the_cpu_half(tmp_path: Pa
     assert aiot["run"]["device"] == "cpu" and "ours/0" in aiot["results"]
     assert "skipped" in (out / "pytest-gpu.txt").read_text() and (out / "pytest-gpu.xml").is_file()
     assert "finished in" in done.stderr and "0 failed step(s)" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("loader", "config"),
+    [
+        ("fedveil.experiments.aiot.runner:load_aiot_run", "configs/aiot/quick.yaml"),
+        ("fedveil.experiments.ppfl.runner:load_ppfl_run", "configs/ppfl/quick.yaml"),
+        ("fedveil.experiments.polifl.runner:load_polifl_run", "configs/polifl/small.yaml"),
+    ],
+)
+def test_every_systems_config_has_the_device_setting(loader: str, config: str) -> None:
+    module, name = loader.split(":")
+    load = getattr(importlib.import_module(module), name)
+    assert load(REPO / config).device == "auto"
+    assert load(REPO / config, {"device": "cuda:0"}).device == "cuda:0"
+    with pytest.raises(ConfigError, match="device: 'gpu' is not one of"):
+        load(REPO / config, {"device": "gpu"})
+
+
+def test_feduv_config_has_the_device_setting() -> None:
+    from fedveil.experiments.feduv.runner import load_feduv_config
+
+    quick = REPO / "configs/feduv/quick.yaml"
+    assert load_feduv_config(quick).device == "auto"
+    assert load_feduv_config(quick, overrides={"device": "cpu"}).device == "cpu"
+    with pytest.raises(ConfigError, match="device: 'cuda:x' is not one of"):
+        load_feduv_config(quick, overrides={"device": "cuda:x"})
