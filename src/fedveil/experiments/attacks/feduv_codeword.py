@@ -40,6 +40,8 @@ from fedveil.core.communicator import ClientId, CommStats, Communicator, Message
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv
 from fedveil.errors import ConfigError
 from fedveil.experiments.feduv.runner import mnist_uv_net
+from fedveil.models.flat import FlatModel
+from fedveil.privacy.codes import BchCode
 from fedveil.protocols.feduv import (
     FedAwSMethod,
     FedAwSServer,
@@ -144,7 +146,7 @@ def _head_views(model: UvModel, pairs: Sequence[tuple[UvTrainRequest, UvTrainRep
     for request, reply in pairs:
         delta = np.asarray(reply.weights, np.float32) - np.asarray(request.weights, np.float32)
         net = copy.deepcopy(model.net)
-        type(model.flat)(net).load_into_module(np.asarray(request.weights, np.float32))
+        FlatModel(net).load_into_module(np.asarray(request.weights, np.float32))
         update = {}
         for n in names:
             sl = model.slice_of(n)
@@ -155,13 +157,13 @@ def _head_views(model: UvModel, pairs: Sequence[tuple[UvTrainRequest, UvTrainRep
 
 
 def _codeword_rows(
-    pool: UvClients, comm: ServerTranscript, model: UvModel, code: Any, rng: np.random.Generator
+    pool: UvClients, comm: ServerTranscript, model: UvModel, code: BchCode, rng: np.random.Generator
 ) -> dict[str, Any]:
     """FedUV: bit accuracy and recovery per user, with two controls: the guess scored against another
     user's codeword, and against a codeword of the code drawn at random with ``rng``."""
     users = [c for c in pool.client_ids() if c in comm.rounds]
     truth = {c: pool._users[c].codeword.bits for c in users}  # ground truth, for scoring only
-    target, first, control, random = [], [], [], []
+    target, first, control, drawn_rows = [], [], [], []
     for i, cid in enumerate(users):
         views = _head_views(model, comm.rounds[cid])
         other = users[(i + 1) % len(users)]
@@ -170,7 +172,7 @@ def _codeword_rows(
         first.append(compare_codeword(codeword_attack(views[:1]).bits, truth[cid], code.t))
         control.append(compare_codeword(guess, truth[other], code.t))
         drawn = code.encode(rng.integers(0, 2, code.k, dtype=np.uint8))
-        random.append(compare_codeword(guess, drawn, code.t))
+        drawn_rows.append(compare_codeword(guess, drawn, code.t))
 
     def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         acc = np.array([r["bit_accuracy"] for r in rows])
@@ -190,7 +192,7 @@ def _codeword_rows(
         "target": summary(target),
         "target_first_round": summary(first),
         "control_other_user": summary(control),
-        "control_random_codeword": summary(random),
+        "control_random_codeword": summary(drawn_rows),
     }
 
 
