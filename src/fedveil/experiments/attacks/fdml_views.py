@@ -229,9 +229,9 @@ def fdml_membership_table(
     """The uncovered-view table (module docstring): FDML trained ``rounds`` rounds (``num_required``
     embeddings of ``samples_per_client`` per device a round, so ``num_required / samples_per_client``
     devices, Adam at ``lr``: the Table I recipe's 3e-3) on ``users`` SYNTHETIC TouchAuth training users of
-    one phone model, then attacked on
-    ``candidate_samples`` samples of each training user (random-start windows, as in training) and of as
-    many test users. Returns (and writes to ``out/fdml_membership.json``) the attacks and the control."""
+    one phone model, then attacked on ``candidate_samples`` samples of each training user (random-start
+    windows, as in training) and of as many test users. Returns (and writes to
+    ``out/fdml_membership.json``) the attacks and the control."""
     if candidate_samples > 40:
         raise ConfigError(f"candidate_samples {candidate_samples} exceeds the 40 samples of a test user")
     cfg = load_config(
