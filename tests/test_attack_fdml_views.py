@@ -3,6 +3,8 @@ released embedding model (not covered)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -90,3 +92,15 @@ def test_fdml_membership_table_reports_attacks_and_control(tmp_path) -> None:
     assert summary["run"]["members"] == summary["run"]["non_members"] == 8
     assert set(summary["attacks"]) == {"target/spread", "target/spread-calibrated", "control/initial-network"}
     assert (tmp_path / "fdml_membership.json").is_file()
+
+
+def test_cli_fdml_attacks_print_their_tables(tmp_path, capsys) -> None:
+    from fedveil.cli import main
+
+    assert main(["attack", "fdml-derivatives", "--trials", "40", "--epsilons", "1", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed["settings"]) == {"no-dp", "paper/eps=1", "strict/eps=1"}
+    assert main(["attack", "fdml-membership", "--users", "8", "--rounds", "1", "--num-required", "16"]) == 0
+    assert "control/initial-network" in capsys.readouterr().out
+    assert main(["attack", "fdml-derivatives", "--epsilons", "one"]) != 0
+    assert "--epsilons 'one': comma-separated numbers" in capsys.readouterr().err
