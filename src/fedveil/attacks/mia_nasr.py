@@ -44,6 +44,7 @@ from fedveil.attacks.scores import (
 )
 from fedveil.attacks.views import ModelView, ObserverView, SealedView, UpdateView, require_model_view
 from fedveil.errors import ConfigError, ValidationError
+from fedveil.models.device import resolve_device
 
 __all__ = ["nasr_attack", "nasr_features", "parameter_layers", "snapshot_model"]
 
@@ -192,6 +193,7 @@ def nasr_attack(
     lr: float = 0.01,
     weight_decay: float = 1e-3,
     batch_size: int = 256,
+    device: str = "cpu",
 ) -> AttackScores:
     """Nasr et al. 2019's supervised white-box MIA against what the observer saw; the held-out report.
 
@@ -204,11 +206,14 @@ def nasr_attack(
     :func:`fit_binary_classifier`). The report covers the held-out examples only (``indices`` are their
     positions); its threshold is the classifier's own (logit 0, probability 1/2), and ``precision`` is
     PPFL Table 2's MIA figure (chance = the fraction of members held out, 1/2 for balanced candidates).
+    The snapshots' logits and per-example gradients are computed on ``device``
+    (:func:`~fedveil.models.device.resolve_device`) with a copy of each snapshot moved there.
     """
+    where = resolve_device(device)
     views = [observed] if isinstance(observed, (ModelView, UpdateView, SealedView)) else list(observed)
     if not views:
         raise ValidationError(f"{_ATTACK}: no observer view given")
-    models = [snapshot_model(view) for view in views]
+    models = [copy.deepcopy(snapshot_model(view)).to(where) for view in views]
     if not 0.0 < known_fraction < 1.0:
         raise ConfigError(f"known_fraction must lie strictly between 0 and 1, got {known_fraction!r}")
     features, names = nasr_features(models, x, y, top_k=top_k, grad_layers=grad_layers, batch_size=batch_size)

@@ -20,6 +20,7 @@ over batches; the observed model is never changed.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +40,7 @@ from fedveil.attacks.scores import (
 )
 from fedveil.attacks.views import ObserverView, UpdateKind, UpdateView, require_update_view
 from fedveil.errors import ConfigError, ValidationError
+from fedveil.models.device import resolve_device
 
 __all__ = ["melis_attack", "simulate_updates", "update_vector"]
 
@@ -142,6 +144,7 @@ def melis_attack(
     steps: int = 300,
     lr: float = 0.01,
     weight_decay: float = 1e-2,
+    device: str = "cpu",
 ) -> AttackScores:
     """Melis et al. 2019's batch-property attack on the observed updates; the report against the truth.
 
@@ -155,7 +158,10 @@ def melis_attack(
     ``params`` selects the parameters used (default: those in the first view's update, in model order).
     The logistic-regression classifier (``steps``, ``lr``, ``weight_decay`` as in
     :func:`fit_binary_classifier`) is seeded from ``rng``; the report's threshold is its own (logit 0).
+    The updates are simulated on ``device`` (:func:`~fedveil.models.device.resolve_device`), with a copy of
+    each snapshot moved there (the views are not changed).
     """
+    where = resolve_device(device)
     observed = [require_update_view(view, _ATTACK) for view in views]
     if not observed:
         raise ValidationError(f"{_ATTACK}: no observer view given")
@@ -214,7 +220,7 @@ def melis_attack(
             ]
         )
         updates = simulate_updates(
-            model,
+            copy.deepcopy(model).to(where),
             ax[torch.from_numpy(index)],
             ay[torch.from_numpy(index)],
             names=names,

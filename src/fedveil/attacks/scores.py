@@ -41,6 +41,7 @@ from fedveil.errors import ConfigError, ValidationError
 from fedveil.eval.verification import Roc, roc_auc
 from fedveil.eval.verification import roc_curve as _verification_roc
 from fedveil.eval.verification import tpr_at_fpr as _verification_tpr_at_fpr
+from fedveil.models.device import module_device
 
 __all__ = [
     "FPR_TARGETS",
@@ -157,17 +158,12 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             module.training = training
 
 
-def _device(model: nn.Module) -> torch.device:
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
 def model_logits(model: nn.Module, x: torch.Tensor, *, batch_size: int = 1024) -> torch.Tensor:
     """``model(x)`` as ``(n, classes)`` float32 logits on the CPU, in batches, eval mode, no autograd."""
     if not isinstance(model, nn.Module):
         raise ValidationError(f"model must be a torch.nn.Module classifier, got {type(model).__name__}")
     size = _positive_int("batch_size", batch_size)
-    device = _device(model)
+    device = module_device(model)
     out = []
     with torch.no_grad(), eval_mode(model):
         for start in range(0, x.shape[0], size):
