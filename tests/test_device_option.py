@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -205,3 +206,39 @@ def test_feduv_config_has_the_device_setting() -> None:
     assert load_feduv_config(quick, overrides={"device": "cpu"}).device == "cpu"
     with pytest.raises(ConfigError, match="device: 'cuda:x' is not one of"):
         load_feduv_config(quick, overrides={"device": "cuda:x"})
+
+
+class _Started(Exception):
+    """Raised by a runner stand-in: the command got as far as training, with ``cfg``."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__("training started")
+        self.cfg = cfg
+
+
+#: Each system's run command (its words) and the runner it calls (module under experiments, function).
+RUNS = {
+    "run": (["run", str(REPO / "configs/table1_fdml.yaml")], "fdml.runner", "run_experiment"),
+    "demo": (["demo"], "fdml.runner", "run_experiment"),
+    "feduv": (["feduv", "run"], "feduv.runner", "run_feduv"),
+    "aiot": (["aiot", "run", str(REPO / "configs/aiot/quick.yaml")], "aiot.runner", "run_aiot"),
+    "ppfl": (["ppfl", "run", str(REPO / "configs/ppfl/quick.yaml")], "ppfl.runner", "run_ppfl"),
+    "polifl": (["polifl", "run", str(REPO / "configs/polifl/small.yaml")], "polifl.runner", "run_polifl"),
+}
+
+
+@pytest.mark.parametrize("system", sorted(RUNS))
+def test_device_reaches_every_systems_config(
+    system: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    words, module, function = RUNS[system]
+
+    def started(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _Started(cfg)
+
+    monkeypatch.setattr(importlib.import_module(f"fedveil.experiments.{module}"), function, started)
+    with pytest.raises(_Started) as run:
+        main([*words, "--set", "device=cuda", "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert run.value.cfg.device == "cpu", "--device wins over --set device=..."
+    assert main([*words, "--device", "gpu", "--out", str(tmp_path / "bad")]) == 2
+    assert "device: 'gpu' is not one of auto, cpu, cuda or cuda:N" in capsys.readouterr().err
