@@ -33,14 +33,17 @@ from fedveil.attacks.inversion import (
 )
 from fedveil.cli import main
 from fedveil.core.attestation_verify import EnclaveClientSession
+from fedveil.data.faces import face_devices, synthetic_faces
 from fedveil.data.images import synthetic_fashion_mnist
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.runner import build_clients, build_population
+from fedveil.models.faces import MobileFaceNet
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer
 from fedveil.protocols.local import LocalOptimizer
-from fedveil.protocols.messages import BackpropRequest, EmbedRequest
+from fedveil.protocols.messages import BackpropRequest, EmbedRequest, FitRequest
+from fedveil.protocols.projector import ProjectorClients, backbone_flat
 from fedveil.runtime.simulation import SimulationRuntime
 
 pytestmark = [
@@ -193,3 +196,26 @@ def test_dlg_on_cuda_poses_and_starts_the_cpus_problem() -> None:
     }
     assert runs["cuda"].images.device.type == "cpu" and runs["cuda"].labels.device.type == "cpu"
     assert runs["cuda"].final_loss == pytest.approx(runs["cpu"].final_loss, rel=1e-2)
+
+
+def test_aiot_devices_fine_tune_on_cuda_as_on_the_cpu() -> None:
+    faces, _ = synthetic_faces(8, 3, size=32, seed=0)
+    replies = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        backbone = MobileFaceNet(image_size=32, width=0.25)
+        request = FitRequest(1, 0.01, 2, 4, backbone_flat(backbone).initial())
+        pool = ProjectorClients(
+            backbone,
+            face_devices(faces, 4),
+            embedding_dim=backbone.embedding_dim,
+            optimizer=LocalOptimizer(lr=0.01, momentum=0.9),
+            seed=0,
+            device=device,
+        )
+        replies[device] = pool.handle_batch(dict.fromkeys(pool.client_ids(), request))
+        assert all(x.device.type == device for x, _ in pool._cache.values())
+    for cid, reply in replies["cpu"].items():
+        assert isinstance(replies["cuda"][cid].weights, np.ndarray)
+        _close(reply.weights, replies["cuda"][cid].weights)
+        assert replies["cuda"][cid].loss == pytest.approx(reply.loss, rel=1e-4)
