@@ -4,8 +4,9 @@ A run's ``device`` is ``auto`` (CUDA when torch sees a GPU, else the CPU), ``cpu
 CUDA device) or ``cuda:N`` (GPU ``N``). Every system's config, every ``run`` command's ``--device`` and
 the attack and benchmark functions take it as text and turn it into a :class:`torch.device` here, once:
 :func:`check_device_spec` when a config is loaded (the spelling), :func:`resolve_device` when training
-starts (the machine). Client data moves to the resolved device once per run; what crosses into the
-enclave is copied back to host memory as numpy arrays (the enclave stays on the CPU, as a TEE would).
+starts (the machine). A client's examples move to the resolved device once per run (the samples FDML's
+devices draw afresh each round move as they are drawn); what crosses into the enclave is copied back to
+host memory as numpy arrays (the enclave stays on the CPU, as a TEE would), and so is every reply.
 
 On the CPU, ``device: cpu`` and ``auto`` compute exactly what fedveil computed before it had the
 setting: no tensor is copied or converted on the way (``Tensor.to`` and ``Tensor.cpu`` return a CPU
