@@ -35,12 +35,14 @@ from fedveil.cli import main
 from fedveil.core.attestation_verify import EnclaveClientSession
 from fedveil.data.faces import face_devices, synthetic_faces
 from fedveil.data.images import synthetic_fashion_mnist
+from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.runner import build_clients, build_population
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer
+from fedveil.protocols.feduv import SoftmaxMethod, SoftmaxServer, UvClients, UvModel, UvTrainConfig
 from fedveil.protocols.local import LocalOptimizer
 from fedveil.protocols.messages import BackpropRequest, EmbedRequest, FitRequest
 from fedveil.protocols.projector import ProjectorClients, backbone_flat
@@ -219,3 +221,45 @@ def test_aiot_devices_fine_tune_on_cuda_as_on_the_cpu() -> None:
         assert isinstance(replies["cuda"][cid].weights, np.ndarray)
         _close(reply.weights, replies["cuda"][cid].weights)
         assert replies["cuda"][cid].loss == pytest.approx(reply.loss, rel=1e-4)
+
+
+class _UvNet(torch.nn.Module):
+    """A small net of the FedUV interface (``features`` then ``fc``)."""
+
+    def __init__(self, outputs: int) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.AvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(196, 16), torch.nn.Tanh()
+        )
+        self.fc = torch.nn.Linear(16, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_feduv_users_train_on_cuda_as_on_the_cpu(batched: bool) -> None:
+    data = generate_mnist_uv(
+        MnistUvConfig(
+            seed=7, writers=6, train=5, val=4, test=3, unseen_writers=3, sub_images_per_digit=(2, 2, 2)
+        )
+    )
+    weights = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = UvModel(_UvNet(len(data.train)))
+        server = SoftmaxServer(
+            UvTrainConfig(fraction=0.5, local_epochs=2, batch_size=3), model, np.random.default_rng(1)
+        )
+        pool = UvClients(SoftmaxMethod(), model, data, seed=5, batched=batched, device=device)
+        runtime = SimulationRuntime(pool, rng=np.random.default_rng(2))
+
+        async def go(server: Any = server, runtime: Any = runtime) -> None:
+            await server.setup(runtime)
+            for rnd in (1, 2, 3):
+                await server.run_round(rnd, runtime)
+
+        asyncio.run(go())
+        assert all(x.device.type == device for x in pool._train_x.values())
+        weights[device] = server.weights
+    _close(weights["cpu"], weights["cuda"])
