@@ -38,6 +38,8 @@ from fedveil.data.images import synthetic_fashion_mnist
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.runner import build_clients, build_population
+from fedveil.experiments.fedavg_images import split_images
+from fedveil.experiments.ppfl.runner import load_ppfl_run, train_ppfl
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
@@ -263,3 +265,26 @@ def test_feduv_users_train_on_cuda_as_on_the_cpu(batched: bool) -> None:
         assert all(x.device.type == device for x in pool._train_x.values())
         weights[device] = server.weights
     _close(weights["cpu"], weights["cuda"])
+
+
+def test_ppfl_rees_on_cuda_release_the_cpus_layers() -> None:
+    released = {}
+    for device in ("cpu", "cuda"):
+        overrides = {
+            "clients": 4,
+            "samples_per_client": 20,
+            "test_samples": 40,
+            "e2e": False,
+            "ppfl": {"rounds_per_stage": 1, "clients_per_round": 2, "local_epochs": 1},
+            "device": device,
+        }
+        run = load_ppfl_run(REPO / "configs/ppfl/quick.yaml", overrides)
+        pool = train_ppfl(run, split_images(run.images())).pool
+        cid = pool.client_ids()[0]
+        if device == "cuda":
+            assert pool._on_device[cid] and all(
+                p.is_cuda for unit in pool._on_device[cid] for p in unit.parameters()
+            )
+        assert all(not p.is_cuda for unit in pool.frozen[cid] for p in unit.parameters())
+        released[device] = torch.cat([p.flatten() for unit in pool.frozen[cid] for p in unit.parameters()])
+    _close(released["cpu"].numpy(), released["cuda"].numpy())
