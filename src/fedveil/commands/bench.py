@@ -358,6 +358,7 @@ def _add_ppfl(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="local batch size (default 16)")
     p.add_argument("--epochs", type=int, default=10, help="local epochs (default 10, Table 3)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per mode; medians (default 3)")
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(bench_func=_run_ppfl)
 
@@ -374,6 +375,7 @@ def _run_ppfl(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         local_epochs=args.epochs,
         repeats=args.repeats,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(row, indent=2))
@@ -589,6 +591,7 @@ def _add_polifl(sub: Any) -> None:
     p = sub.add_parser("polifl", help="PoliFL use cases: client updates/s, policy-enforcing vs plain devices")
     p.add_argument("--repeats", type=int, default=3, help="timed cohorts per path; the median (default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(bench_func=_run_polifl)
 
@@ -597,7 +600,7 @@ def _run_polifl(args: argparse.Namespace) -> int:
     from fedveil.experiments.bench.polifl import bench_polifl
 
     _require_positive(args, "repeats", "threads")
-    rows = bench_polifl(repeats=args.repeats, threads=args.threads)
+    rows = bench_polifl(repeats=args.repeats, threads=args.threads, device=args.device)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

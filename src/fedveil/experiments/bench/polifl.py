@@ -15,6 +15,7 @@ import torch
 
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.experiments.polifl.runner import build_task, load_polifl_run
+from fedveil.models.device import resolve_device
 from fedveil.privacy.pairs import DataPolicyPair
 from fedveil.privacy.policy import parse
 from fedveil.protocols.fedavg import ModelClients
@@ -40,8 +41,11 @@ def _timed(pool: Any, msgs: dict[str, Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_polifl(*, repeats: int = 3, root: str | Path = ".", threads: int = 2) -> list[dict[str, Any]]:
-    """One row per use case (module docstring)."""
+def bench_polifl(
+    *, repeats: int = 3, root: str | Path = ".", threads: int = 2, device: str = "cpu"
+) -> list[dict[str, Any]]:
+    """One row per use case (module docstring), the devices training on ``device``
+    (:func:`~fedveil.models.device.resolve_device`)."""
     torch.set_num_threads(threads)
     rows = []
     for name, config in USE_CASES.items():
@@ -52,7 +56,7 @@ def bench_polifl(*, repeats: int = 3, root: str | Path = ".", threads: int = 2) 
         optimizer = LocalOptimizer("sgd", run.lr)
         pairs = {c: DataPolicyPair(task.values[c], parse(group.policy)) for c in cohort}
         devices = PolicyDevices(
-            task.flat, pairs, optimizer=optimizer, seed=0, loss=task.loss, batched=task.batched
+            task.flat, pairs, optimizer=optimizer, seed=0, loss=task.loss, batched=task.batched, device=device
         )
         devices.handle_batch(
             {c: JobStart("bench", tuple(group.commands), "", run.clip_norm, 0.0) for c in cohort}
@@ -66,6 +70,7 @@ def bench_polifl(*, repeats: int = 3, root: str | Path = ".", threads: int = 2) 
             seed=0,
             loss=task.loss,
             batched=task.batched,
+            device=device,
         )
         request = FitRequest(1, run.lr, run.local_epochs, run.batch_size, task.initial)
         msgs = {c: request for c in cohort}
@@ -83,6 +88,7 @@ def bench_polifl(*, repeats: int = 3, root: str | Path = ".", threads: int = 2) 
                 "enforcement_overhead": policy_s / plain_s - 1.0,
                 "threads": threads,
                 "repeats": repeats,
+                "device": str(resolve_device(device)),
             }
         )
     return rows

@@ -30,6 +30,7 @@ from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.data.images import synthetic_cifar10, synthetic_fashion_mnist
 from fedveil.errors import ConfigError
 from fedveil.experiments.fdml.runner import device_sessions
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
 from fedveil.protocols.ppfl import PpflClients, PpflConfig, kept_on_release, param_specs
@@ -62,8 +63,10 @@ def bench_ppfl(
     repeats: int = 3,
     threads: int = 2,
     seed: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Per stage: updates per second batched and one by one, phase seconds and the sealing share."""
+    """Per stage: updates per second batched and one by one, phase seconds and the sealing share; the
+    REEs' frozen layers run on ``device`` (:func:`~fedveil.models.device.resolve_device`)."""
     for name, value in (("clients", clients), ("samples", samples), ("repeats", repeats)):
         if value < 1:
             raise ConfigError(f"{name} {value} must be >= 1")
@@ -95,7 +98,7 @@ def bench_ppfl(
             session.establish(host.open_session(session.hello()))
             session.open_model = _timed(crypto, session.open_model)  # type: ignore[method-assign]
             session.seal_update = _timed(crypto, session.seal_update)  # type: ignore[method-assign]
-        pool = PpflClients(net, fed, optimizer=cfg.optimizer(), seed=seed, sessions=sessions)
+        pool = PpflClients(net, fed, optimizer=cfg.optimizer(), seed=seed, sessions=sessions, device=device)
         ids = pool.client_ids()
         rnd = 0
         for stage in cfg.stages(net):
@@ -162,6 +165,7 @@ def bench_ppfl(
             pool.handle_batch({c: LayerRelease(stage.index, released) for c in ids})
     return {
         "model": model,
+        "device": str(resolve_device(device)),
         "data": f"synthetic stand-in of {data}'s shape (speed does not depend on pixel values)",
         "clients": clients,
         "samples": samples,
