@@ -1,5 +1,7 @@
 """``fedveil bench peers``: the task folder holds fedveil's partition and weights, fedveil's row has every
-field, the peer scripts run on a tiny task, and bad settings are refused naming the value."""
+field, the peer scripts run on a tiny task, and bad settings are refused naming the value; the floor's
+parts (:mod:`fedveil.experiments.bench.floor`): the FLOPs counted from the layers against torch's own
+counter, and the CPU seconds of a child process."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
+from fedveil.experiments.bench.floor import training_flops, tree_cpu_seconds
 from fedveil.experiments.bench.peers import bench_peers, write_task
 from fedveil.experiments.bench.scale import scale_users
 from fedveil.models.weights import load_weights
@@ -30,6 +35,7 @@ ROW_FIELDS = {
     "clients_per_round",
     "rounds",
     "seconds_per_round",
+    "cpu_seconds_per_round",
     "first_round_seconds",
     "startup_seconds",
     "peak_rss_bytes",
@@ -50,6 +56,7 @@ def _check_row(row: dict, framework: str, cohort: int, rounds: int) -> None:
     assert not ROW_FIELDS - set(row), f"missing {ROW_FIELDS - set(row)}"
     assert (row["framework"], row["clients_per_round"], row["rounds"]) == (framework, cohort, rounds)
     assert row["seconds_per_round"] > 0 and row["startup_seconds"] >= 0 and row["first_round_seconds"] > 0
+    assert row["cpu_seconds_per_round"] > 0
     assert row["peak_rss_bytes"] > 10 * 2**20
     assert math.isfinite(row["accuracy"]) and 0 <= row["accuracy"] <= 1
 
@@ -59,6 +66,7 @@ def test_task_folder_holds_scale_partition_test_set_and_initial_weights(task: Pa
     assert (manifest["clients"], manifest["samples_per_client"], manifest["rounds"]) == (10, 20, 2)
     assert (manifest["lr"], manifest["batch_size"], manifest["local_epochs"]) == (0.05, 10, 1)
     assert manifest["cohorts"] == [3] and manifest["seed"] == 0 and "fashion-mnist" in manifest["data"]
+    assert manifest["training_flops_per_example"] == 76_696_000 // 2  # LeNet at batch 2, counted below
     users = scale_users(10, 20, seed=0)
     with np.load(task / "train.npz", allow_pickle=False) as train:
         for i, user in enumerate(users):
@@ -92,6 +100,70 @@ def test_fedveil_row_has_every_field(tmp_path: Path) -> None:
     (row,) = result["rows"]
     _check_row(row, "fedveil", 5, 2)
     assert row["rss_covers"] == "the whole run"
+    assert row["flops_per_round"] == 5 * 5 * result["task"]["training_flops_per_example"]
+    assert 1e9 < row["peak_gemm_flops_per_second"] < 1e13
+    assert 0 < row["fraction_of_floor"] <= 1.5
+    assert row["fraction_of_floor"] == pytest.approx(
+        row["flops_per_round"] / row["peak_gemm_flops_per_second"] / row["cpu_seconds_per_round"]
+    )
+
+
+def _flop_counter(model: nn.Module, x: torch.Tensor) -> int:
+    """torch's own count of one training step: forward, cross-entropy, backward."""
+    with FlopCounterMode(display=False) as counter:
+        nn.functional.cross_entropy(model(x), torch.zeros(len(x), dtype=torch.int64)).backward()
+    return int(counter.get_total_flops())
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        build_model("lenet", num_classes=10, in_channels=1, image_size=28, seed=0),
+        nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(784, 64),
+            nn.ReLU(),
+            nn.Linear(64, 32, bias=False),
+            nn.Tanh(),
+            nn.Linear(32, 10),
+        ),
+    ],
+    ids=["lenet", "mlp"],
+)
+def test_training_flops_match_torchs_flop_counter(model: nn.Module) -> None:
+    x = torch.rand(2, 1, 28, 28)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert training_flops(model, x) == _flop_counter(model, x) > 0
+    assert training_flops(model, x[:1]) * 2 == training_flops(model, x)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_training_flops_refuse_a_layer_they_cannot_count() -> None:
+    with pytest.raises(ValueError, match=r"\['rnn'\] are neither"):
+        training_flops(nn.ModuleDict({"rnn": nn.LSTM(4, 4)}), torch.zeros(1, 2, 4))
+
+
+def test_tree_cpu_seconds_count_a_child_while_it_runs_and_once_it_is_reaped() -> None:
+    burn = (
+        "import sys, time\n"
+        "start = time.process_time()\n"
+        "while time.process_time() - start < 0.5: pass\n"
+        "print(time.process_time(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    before = tree_cpu_seconds()
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    used = float(child.stdout.readline())  # the child's own CPU seconds; it now waits, alive
+    live = tree_cpu_seconds() - before
+    child.communicate("")
+    reaped = tree_cpu_seconds() - before
+    assert used >= 0.5
+    assert used - 0.02 <= live < used + 0.3  # read from /proc in 10 ms ticks
+    assert used <= reaped < used + 0.3  # counted once: by the kernel's rusage of reaped children
 
 
 def test_flower_script_runs_on_a_tiny_task(task: Path) -> None:

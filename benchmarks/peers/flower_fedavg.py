@@ -16,8 +16,9 @@ the ServerApp runs in this process.
 Start-up is from calling ``run_simulation`` to the strategy's first step; Flower starts Ray and its actors
 concurrently with the ServerApp, so most of their start-up lands in the warm-up round
 (``first_round_seconds``). Round times are the intervals between the strategy's per-round
-``evaluate_fn`` calls; the final model is scored on the test set there, after the last stamp. Peak RSS is
-this process's only: the Ray actors that train the clients are not included.
+``evaluate_fn`` calls; the final model is scored on the test set there, after the last stamp. CPU seconds
+cover this process and its descendants (Ray's raylet, GCS and the actors that train the clients); peak
+RSS is this process's only: the Ray actors are not included.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from peer_task import evaluate, open_task, parse_args, row, train_local
+from peer_task import evaluate, open_task, parse_args, row, train_local, tree_cpu_seconds
 
 
 def train_client(msg: Any, context: Any) -> Any:
@@ -69,12 +70,14 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     stamps: list[float] = []
+    cpu_stamps: list[float] = []
     accuracy: list[float] = []
     model = task.initial_model()
 
     def clock(server_round: int, arrays: ArrayRecord) -> None:
         """Stamp the end of a round (round 0: the start); score the final model after the last one."""
         stamps.append(time.perf_counter())
+        cpu_stamps.append(tree_cpu_seconds())
         if server_round == task.rounds + 1:
             model.load_state_dict(arrays.to_torch_state_dict())
             accuracy.append(evaluate(model, *task.test()))
@@ -121,6 +124,7 @@ def main() -> None:
         threads=args.threads,
         startup=stamps[0] - started,
         round_seconds=[float(s) for s in np.diff(stamps)],
+        round_cpu_seconds=[float(s) for s in np.diff(cpu_stamps)],
         accuracy=accuracy[0],
         rss_covers="this process only (the ServerApp and the engine; Ray actors not included)",
     )

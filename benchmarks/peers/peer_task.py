@@ -9,13 +9,17 @@ The task folder (written by :func:`fedveil.experiments.bench.peers.write_task`) 
 - ``initial.safetensors``: the initial LeNet weights (fedveil's parameter names).
 
 This module needs only numpy, torch and safetensors, so it runs in any peer's virtual environment. Every
-script trains ``rounds`` timed rounds after one warm-up round and prints one JSON row (:func:`row`).
+script trains ``rounds`` timed rounds after one warm-up round and prints one JSON row (:func:`row`). CPU
+time is fedveil's own measurement (:func:`tree_cpu_seconds`, from ``fedveil.experiments.bench.floor``,
+loaded by path from this checkout: it needs only the standard library), so every framework's CPU seconds
+per round are counted alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import resource
 import statistics
@@ -28,7 +32,31 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-__all__ = ["LeNet", "Task", "evaluate", "open_task", "parse_args", "peak_rss_bytes", "row", "train_local"]
+__all__ = [
+    "LeNet",
+    "Task",
+    "evaluate",
+    "open_task",
+    "parse_args",
+    "peak_rss_bytes",
+    "row",
+    "train_local",
+    "tree_cpu_seconds",
+]
+
+
+def _floor_module() -> Any:
+    path = Path(__file__).resolve().parents[2] / "src" / "fedveil" / "experiments" / "bench" / "floor.py"
+    spec = importlib.util.spec_from_file_location("fedveil_bench_floor", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{path} does not exist: run the peer scripts from a fedveil source checkout")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tree_cpu_seconds = _floor_module().tree_cpu_seconds
+"""CPU seconds of this process, its live descendants (Ray's actors) and its reaped ones, so far."""
 
 
 class LeNet(nn.Module):
@@ -179,12 +207,15 @@ def row(
     threads: int,
     startup: float,
     round_seconds: list[float],
+    round_cpu_seconds: list[float],
     accuracy: float,
     rss_covers: str,
 ) -> dict[str, Any]:
-    """The JSON row of one run: ``round_seconds`` holds every round, the warm-up round first."""
-    if len(round_seconds) != task.rounds + 1:
-        raise RuntimeError(f"timed {len(round_seconds)} rounds, expected {task.rounds + 1} (with warm-up)")
+    """The JSON row of one run: ``round_seconds`` (wall) and ``round_cpu_seconds`` (:func:`tree_cpu_seconds`
+    differences) hold every round, the warm-up round first."""
+    for timed in (round_seconds, round_cpu_seconds):
+        if len(timed) != task.rounds + 1:
+            raise RuntimeError(f"timed {len(timed)} rounds, expected {task.rounds + 1} (with warm-up)")
     per = statistics.median(round_seconds[1:])
     return {
         "framework": framework,
@@ -196,6 +227,7 @@ def row(
         "threads": threads,
         "seconds_per_round": per,
         "rounds_per_second": 1.0 / per,
+        "cpu_seconds_per_round": statistics.median(round_cpu_seconds[1:]),
         "first_round_seconds": round_seconds[0],
         "startup_seconds": startup,
         "peak_rss_bytes": peak_rss_bytes(),

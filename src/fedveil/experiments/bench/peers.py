@@ -23,6 +23,22 @@ Each row: ``framework``, ``version``, ``engine``, ``clients_per_round``, ``round
 (median of the timed rounds), ``first_round_seconds`` (the warm-up), ``startup_seconds`` (building the
 clients and engine before round 1), ``peak_rss_bytes`` (``ru_maxrss`` of the measured process;
 ``rss_covers`` says what that leaves out, e.g. Ray actors) and ``accuracy``.
+
+**Cost that does not move with the load.** Wall time per round depends on what else the machine runs, so
+each row also has:
+
+- ``cpu_seconds_per_round``: the median over the timed rounds of the CPU seconds (user + system) used by
+  the process doing the work and its descendants (Ray's raylet, GCS and actors for fedveil-ray and
+  Flower), measured in that process by :func:`~fedveil.experiments.bench.floor.tree_cpu_seconds`, which
+  the peer scripts load from this checkout: one measurement for all;
+- ``flops_per_round``: FLOPs of the round's training, forward and backward of LeNet over ``cohort x
+  samples x local epochs`` examples, counted from the model's layers
+  (:func:`~fedveil.experiments.bench.floor.training_flops`; biases, activations, pooling and the optimiser
+  step are not counted);
+- ``peak_gemm_flops_per_second``: FLOPs per CPU second of a 2048 x 2048 float32 ``torch.matmul`` on
+  ``threads`` threads, measured once per run in this process (the same torch as every peer);
+- ``fraction_of_floor``: ``flops_per_round / peak_gemm_flops_per_second / cpu_seconds_per_round``, the
+  share of the CPU time that the arithmetic at the peak rate would take (1.0: a round all GEMM at peak).
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ import numpy as np
 
 from fedveil.core.atomic import atomic_file, atomic_write
 from fedveil.errors import ConfigError
+from fedveil.experiments.bench.floor import peak_gemm_flops_per_second, training_flops
 from fedveil.experiments.bench.scale import (
     SCALE_BATCH,
     SCALE_EPOCHS,
@@ -56,6 +73,7 @@ __all__ = [
     "PEERS",
     "bench_peers",
     "check_settings",
+    "floor_fields",
     "format_table",
     "peer_python",
     "run_peer",
@@ -170,6 +188,7 @@ def write_task(
     manifest = {
         "model": SCALE_MODEL,
         "num_params": sum(p.numel() for p in model.parameters()),
+        "training_flops_per_example": training_flops(model, torch.zeros(1, 1, 28, 28)),
         "data": test.name,  # real Fashion-MNIST, or a name that says it is the synthetic stand-in
         "test_size": len(test.y),
         "clients": clients,
@@ -303,9 +322,10 @@ def bench_peers(
     venvs: Path | None = None,
     progress: Progress = _stderr,
 ) -> dict[str, Any]:
-    """Write the task to ``out/task``, run every framework at every cohort size, each in its own
-    process, and write ``out/results.json``; returns ``{"task": manifest, "rows": [...], "speedup"}``
-    where ``speedup[cohort][framework]`` is that framework's seconds per round over fedveil's."""
+    """Write the task to ``out/task``, measure the peak GEMM rate, run every framework at every cohort
+    size, each in its own process, and write ``out/results.json``; returns ``{"task": manifest, "rows":
+    [...], "speedup"}`` where ``speedup[cohort][framework]`` is that framework's seconds per round over
+    fedveil's. Every row carries the floor's fields (module docstring)."""
     check_settings(
         frameworks=frameworks,
         cohorts=cohorts,
@@ -321,6 +341,8 @@ def bench_peers(
     task = out / "task"
     progress(f"bench peers: writing the task to {task}")
     manifest = write_task(task, clients=clients, samples=samples, rounds=rounds, cohorts=cohorts, seed=seed)
+    peak = peak_gemm_flops_per_second(threads, clock=time.process_time)
+    progress(f"bench peers: peak GEMM {peak / 1e9:.1f} GFLOP per CPU second on {threads} threads")
     rows = []
     for name in frameworks:
         for cohort in cohorts:
@@ -338,14 +360,29 @@ def bench_peers(
                     seed=seed,
                     threads=threads,
                 )
+            row.update(floor_fields(manifest, cohort, row["cpu_seconds_per_round"], peak))
             rows.append(row)
             progress(
                 f"bench peers: {name}, {cohort} per round: {row['seconds_per_round']:.3f} s/round, "
-                f"accuracy {row['accuracy']:.4f} ({time.perf_counter() - started:.0f} s)"
+                f"{row['cpu_seconds_per_round']:.3f} CPU s/round, {row['fraction_of_floor']:.3f} of the "
+                f"floor, accuracy {row['accuracy']:.4f} ({time.perf_counter() - started:.0f} s)"
             )
     result = {"task": manifest, "rows": rows, "speedup": _speedup(rows)}
     atomic_write(out / "results.json", (json.dumps(result, indent=2) + "\n").encode())
     return result
+
+
+def floor_fields(manifest: dict[str, Any], cohort: int, cpu_seconds: float, peak: float) -> dict[str, float]:
+    """``flops_per_round``, ``peak_gemm_flops_per_second`` and ``fraction_of_floor`` of a round of
+    ``cohort`` clients of the task ``manifest`` that took ``cpu_seconds`` CPU seconds, at ``peak`` FLOPs
+    per CPU second (module docstring)."""
+    examples = cohort * manifest["samples_per_client"] * manifest["local_epochs"]
+    flops = examples * manifest["training_flops_per_example"]
+    return {
+        "flops_per_round": flops,
+        "peak_gemm_flops_per_second": peak,
+        "fraction_of_floor": flops / peak / cpu_seconds,
+    }
 
 
 def _speedup(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -364,14 +401,21 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"FedAvg {task['model']} on {task['data']}: {task['clients']} clients x {task['samples_per_client']} "
         f"images, {task['rounds']} timed rounds after 1 warm-up, lr {task['lr']}, batch {task['batch_size']}",
-        f"{'framework':<12} {'version':<8} {'per round':>9} {'s/round':>8} {'first s':>8} {'start-up s':>10} "
-        f"{'peak RSS MiB':>12} {'accuracy':>8}",
+        f"{'framework':<12} {'version':<8} {'per round':>9} {'s/round':>8} {'CPU s/round':>11} "
+        f"{'of floor':>8} {'first s':>8} {'start-up s':>10} {'peak RSS MiB':>12} {'accuracy':>8}",
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['framework']:<12} {r['version']:<8} {r['clients_per_round']:>9} "
-            f"{r['seconds_per_round']:>8.3f} {r['first_round_seconds']:>8.2f} {r['startup_seconds']:>10.2f} "
+            f"{r['seconds_per_round']:>8.3f} {r['cpu_seconds_per_round']:>11.3f} "
+            f"{r['fraction_of_floor']:>8.3f} {r['first_round_seconds']:>8.2f} {r['startup_seconds']:>10.2f} "
             f"{r['peak_rss_bytes'] / 2**20:>12,.0f} {r['accuracy']:>8.4f}"
+        )
+    if result["rows"]:
+        peak = result["rows"][0]["peak_gemm_flops_per_second"]
+        lines.append(
+            f"floor: {task['training_flops_per_example'] / 1e6:.1f} MFLOP per example (forward + backward), "
+            f"peak GEMM {peak / 1e9:.1f} GFLOP per CPU second"
         )
     for cohort, others in result["speedup"].items():
         ratios = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in others.items())

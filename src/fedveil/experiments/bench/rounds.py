@@ -36,6 +36,7 @@ import torch
 
 from fedveil.core.heap import retain_freed_memory
 from fedveil.errors import ConfigError
+from fedveil.experiments.bench.floor import peak_gemm_flops_per_second
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.runner import EMBEDDING_DIM, build_population, build_trainer
 from fedveil.runtime.threads import thread_settings
@@ -280,9 +281,7 @@ def _floor(
     from fedveil.enclave.triplet import loss_and_derivatives
 
     torch.set_num_threads(threads)
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    peak = 2 * n**3 / _median_seconds(lambda: a @ b) / 1e9
+    peak = peak_gemm_flops_per_second(threads) / 1e9
     rng = np.random.default_rng(0)
     emb = rng.normal(size=(embeddings, 64)).astype(np.float32)
     labels = np.repeat(np.arange(embeddings // 8 or 1), 8)[:embeddings]

@@ -16,6 +16,7 @@ driver's only; the actors' memory is not included, and the output says so. Repor
 
 - the clients and actors;
 - the median seconds per round over ``rounds`` rounds, after one warm-up round, and rounds per second;
+- the median CPU seconds per round of this process and its descendants (Ray's actors included);
 - start-up seconds: building the clients, and the actors with Ray; the warm-up round's seconds;
 - peak RSS;
 - the test accuracy of the global model after the warm-up and timed rounds (``fedveil bench peers``
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from fedveil.errors import ConfigError
+from fedveil.experiments.bench.floor import tree_cpu_seconds
 
 __all__ = [
     "SCALE_BATCH",
@@ -139,15 +141,16 @@ def measure_setting(
     server.setup(runtime)
     startup = time.perf_counter() - started
 
-    async def run() -> list[float]:
-        times = []
+    async def run() -> tuple[list[float], list[float]]:
+        times, cpu = [], []
         for rnd in range(rounds + 1):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), tree_cpu_seconds()
             await server.run_round(rnd + 1, runtime)
             times.append(time.perf_counter() - t0)
-        return times
+            cpu.append(tree_cpu_seconds() - c0)
+        return times, cpu
 
-    times = asyncio.run(run())
+    times, cpu = asyncio.run(run())
     per = statistics.median(times[1:])
     row = {
         "clients": clients,
@@ -156,6 +159,7 @@ def measure_setting(
         "rounds": rounds,
         "seconds_per_round": per,
         "rounds_per_second": 1.0 / per,
+        "cpu_seconds_per_round": statistics.median(cpu[1:]),
         "first_round_seconds": times[0],
         "startup_seconds": startup,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
