@@ -22,6 +22,10 @@
 - ``fedveil attack fdml-membership [--users 64] [--rounds 120] [--num-required 64] [--seed 0] [--out DIR]
   [--json]``: user-level membership inference against the FDML embedding network every selected device
   receives, beside the control (:func:`~fedveil.experiments.attacks.fdml_views.fdml_membership_table`).
+- ``fedveil attack fdml-inversion [--cohorts 1,2,4] [--windows 2] [--iterations 1000] [--seed 0] [--out DIR]
+  [--json]``: gradient inversion of the touch windows of a round from the difference of two consecutive
+  global models (SGD and Adam steps), beside controls
+  (:func:`~fedveil.experiments.attacks.fdml_inversion.fdml_inversion_table`).
 """
 
 from __future__ import annotations
@@ -116,6 +120,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rounds", type=int, default=120, help="FDML rounds (default 120)")
     p.add_argument("--num-required", type=int, default=64, help="embeddings per round (default 64)")
     _common(p)
+    p = attacks.add_parser(
+        "fdml-inversion",
+        help="FDML: gradient inversion of a round's touch windows from a global-model difference",
+        description="FDML: reconstruct the SYNTHETIC TouchAuth windows of a round from w_{t+1} - w_t "
+        "(after an SGD and an Adam step), beside a round the targets were not in and two guesses",
+    )
+    p.add_argument("--cohorts", default="1,2,4", help="devices per round, one attack each (default 1,2,4)")
+    p.add_argument("--windows", type=int, default=2, help="touch windows per device (default 2)")
+    p.add_argument("--iterations", type=int, default=1000, help="attack iterations (default 1000)")
+    _common(p)
     parser.set_defaults(func=run)
 
 
@@ -135,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         return _fdml_derivatives(args)
     if args.attack == "fdml-membership":
         return _fdml_membership(args)
+    if args.attack == "fdml-inversion":
+        return _fdml_inversion(args)
     if args.attack in attack_runs.INVERSIONS:
         summary = attack_runs.run_inversion(
             args.attack,
@@ -289,4 +305,30 @@ def _fdml_membership(args: argparse.Namespace) -> int:
             f"{name:26s} AUC {rep['auc']:.3f} (null s.e. {rep['auc_null_std_error']:.3f})  "
             f"TPR@FPR {rep['tpr_at_fpr']}"
         )
+    return 0
+
+
+def _fdml_inversion(args: argparse.Namespace) -> int:
+    """``fedveil attack fdml-inversion``: attack each round and print one line per round and optimizer."""
+    from fedveil.experiments.attacks.fdml_inversion import fdml_inversion_table
+
+    summary = fdml_inversion_table(
+        cohorts=[int(k) for k in args.cohorts.split(",")],
+        windows=args.windows,
+        iterations=args.iterations,
+        seed=args.seed,
+        out=args.out,
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2, default=float))
+        return 0
+    for name, entry in summary["rounds"].items():
+        if entry["attack"] is None:
+            print(f"{name:10s} {entry['note']}")
+            continue
+        keys = ("attack", "control/other-round", "baseline/initial-draw", "baseline/prior-mean-window")
+        cells = [
+            f"{key} MSE {entry[key]['mse_mean']:.4f} cos {entry[key]['cosine_mean']:.3f}" for key in keys
+        ]
+        print(f"{name:10s} " + "  ".join(cells))
     return 0

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 from fedveil.errors import ConfigError
 
-__all__ = ["REFERENCE_MEMORY_BYTES", "reference_fits", "reference_loss_and_derivatives"]
+__all__ = ["REFERENCE_MEMORY_BYTES", "reference_fits", "reference_loss", "reference_loss_and_derivatives"]
 
 REFERENCE_MEMORY_BYTES = 2**31
 """Memory the reference may take: ``N^3`` validity grids, triplet indices and difference vectors."""
@@ -79,7 +79,20 @@ def reference_loss_and_derivatives(
     import torch
 
     x = torch.tensor(np.asarray(embeddings, dtype=np.float64), requires_grad=True)
-    a, p, q = _triplets(torch.as_tensor(np.asarray(labels))).unbind(dim=1)
+    loss = reference_loss(x, torch.as_tensor(np.asarray(labels)), margin=margin, strategy=strategy)
+    if not loss.requires_grad:
+        return 0.0, np.zeros(embeddings.shape, np.float64)
+    loss.backward()
+    return float(loss.detach()), x.grad.numpy()
+
+
+def reference_loss(x: torch.Tensor, labels: torch.Tensor, *, margin: float, strategy: str) -> torch.Tensor:
+    """Alg. 1's loss of embeddings ``x`` ``(N, d)`` with ``labels`` ``(N,)`` as a differentiable tensor:
+    the mean active hinge over the enumerated triplets (module docstring), a constant 0 when none is
+    active. Any dtype; no memory check (:func:`reference_fits`)."""
+    import torch
+
+    a, p, q = _triplets(labels).unbind(dim=1)
     dist = _safe_norm(x[:, None, :] - x[None, :, :])
     d_ap, d_an = dist[a, p], dist[a, q]
     hinge = (d_ap + margin) - d_an
@@ -88,7 +101,5 @@ def reference_loss_and_derivatives(
         active &= d_ap < d_an
     count = int(active.sum())
     if count == 0:
-        return 0.0, np.zeros(embeddings.shape, np.float64)
-    loss = hinge[active].sum() / count
-    loss.backward()
-    return float(loss.detach()), x.grad.numpy()
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    return hinge[active].sum() / count
