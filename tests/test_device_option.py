@@ -242,3 +242,15 @@ def test_device_reaches_every_systems_config(
     assert run.value.cfg.device == "cpu", "--device wins over --set device=..."
     assert main([*words, "--device", "gpu", "--out", str(tmp_path / "bad")]) == 2
     assert "device: 'gpu' is not one of auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the message of a machine without CUDA")
+@pytest.mark.parametrize("system", sorted(RUNS))
+def test_cuda_on_a_cpu_machine_fails_before_the_run_directory_is_touched(
+    system: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    words, _, _ = RUNS[system]
+    out = tmp_path / "run"
+    assert main([*words, "--device", "cuda", "--out", str(out), "--no-progress"]) == 2
+    assert "device: 'cuda' asks for CUDA, but torch" in capsys.readouterr().err
+    assert not out.exists()

@@ -71,7 +71,7 @@ from fedveil.experiments.checkpoint import (
 )
 from fedveil.experiments.config import load_run_config
 from fedveil.experiments.plots import bars_figure
-from fedveil.models.device import check_device_spec
+from fedveil.models.device import check_device_spec, resolve_device
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.weights import load_weights, save_weights
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
@@ -432,6 +432,7 @@ def run_aiot(
 ) -> dict[str, Any]:
     """Pre-train (or reuse the saved pre-training), then each method and trial not yet done; writes
     ``results.json`` after each and returns it (module docstring)."""
+    resolve_device(run.device)  # a device this machine lacks fails before the run directory is touched
     out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     torch.set_num_threads(run.threads)
     settings = asdict(run)

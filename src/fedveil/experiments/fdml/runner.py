@@ -53,6 +53,7 @@ from fedveil.experiments.config import ExperimentConfig, config_to_dict
 from fedveil.experiments.fdml.figures import write_run_plots
 from fedveil.experiments.fdml.privacy_setup import PrivacyPlan, plan_privacy
 from fedveil.experiments.plots import plot_round_timing, summarise_timings
+from fedveil.models.device import resolve_device
 from fedveil.models.faces import ResNet34Embedding
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
@@ -819,6 +820,8 @@ def run_experiment(
     """
     if network is not None and ray is not None:
         raise ConfigError("a run goes over the network or on Ray, not both")
+    if network is None and ray is None:  # devices simulated here: a device this machine lacks fails first
+        resolve_device(cfg.device)
     torch.set_num_threads(cfg.runtime.threads)
     retain_freed_memory()
     setup = _prepare_run(cfg, out_dir, resume=resume, overwrite=overwrite, population=population)

@@ -69,7 +69,7 @@ from fedveil.experiments.checkpoint import (
 )
 from fedveil.experiments.config import load_run_config, refuse_keys_without_effect
 from fedveil.experiments.plots import series_figure
-from fedveil.models.device import check_device_spec
+from fedveil.models.device import check_device_spec, resolve_device
 from fedveil.models.feduv import build_uv_net
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
 from fedveil.protocols.feduv import (
@@ -432,6 +432,8 @@ def run_feduv(
     (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`).
     """
     torch.set_num_threads(cfg.threads)
+    if network is None:  # simulated users train here: a device this machine lacks fails before the run
+        resolve_device(cfg.device)
     out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     _claim_run_dir(out, cfg)
     digest = _digest(cfg)

@@ -58,7 +58,7 @@ from fedveil.experiments.checkpoint import StopAtRoundEnd, crash_point, prepare_
 from fedveil.experiments.config import load_run_config
 from fedveil.experiments.plots import Note, Reference, series_figure
 from fedveil.experiments.report import announce_stand_in
-from fedveil.models.device import check_device_spec, module_device
+from fedveil.models.device import check_device_spec, module_device, resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.groups import GroupLedger, noise_multiplier
 from fedveil.privacy.pairs import DataPolicyPair, PolicyViolation
@@ -1042,6 +1042,7 @@ def run_polifl(
     """Every strategy of ``run`` (or ``strategies``), resumable in ``out`` (``resume``); writes
     ``results.json`` and ``curves.png`` there and returns the results (module docstring)."""
     torch.set_num_threads(run.threads)
+    resolve_device(run.device)  # a device this machine lacks fails before the run directory is touched
     out = prepare_run_dir(out, resume=resume, overwrite=overwrite)
     _claim_run_dir(out, run)
     task = build_task(run)

@@ -89,7 +89,7 @@ from fedveil.experiments.fdml.runner import device_sessions
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.plots import plot_series
 from fedveil.experiments.report import announce_stand_in
-from fedveil.models.device import check_device_spec
+from fedveil.models.device import check_device_spec, resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.vision import LayerwiseNet
 from fedveil.models.weights import load_weights
@@ -250,6 +250,7 @@ def run_ppfl(
     directory must be missing or empty, or ``overwrite`` clears it first."""
     say = progress or (lambda _line: None)
     torch.set_num_threads(run.threads)
+    resolve_device(run.device)  # a device this machine lacks fails before the run directory is touched
     stages = run.ppfl.stages(_model(run, 10, 3, 32))  # a bad block size or train_last fails before loading
     out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     config = asdict(run)
