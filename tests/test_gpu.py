@@ -1,5 +1,7 @@
 """Training on a CUDA device gives the CPU's numbers to float32 rounding (``pytest -m gpu``; every test here
-is skipped, saying so, where torch sees no CUDA device; ``scripts/gpu-check`` runs them on a GPU machine).
+is skipped, saying so, where torch sees no CUDA device; ``scripts/gpu-check`` runs them on a GPU machine):
+the FedAvg engine (client data moved once), FDML's devices and rounds (the enclave still given host
+arrays), FedUV's users, AIoT's devices, PPFL's REEs and DLG.
 
 Not bit for bit: cuBLAS and cuDNN pick other kernels than the CPU's (other summation orders, fused
 multiply-adds, TF32 where allowed), so each float32 result differs in its last bits, and the differences
