@@ -22,26 +22,30 @@ from fedveil.experiments.attacks.fdml_inversion import (
 from fedveil.experiments.fdml.triplet_reference import reference_loss
 from fedveil.models.touchauth import TouchAuthNet
 
+ITERATIONS = 300
+
 
 @pytest.fixture(scope="module")
-def rounds() -> tuple[TouchAuthNet, list[np.ndarray], list[np.ndarray]]:
-    """The initial network, a round of two SYNTHETIC users (two windows each) and one of two others."""
+def rounds() -> tuple[TouchAuthNet, list[np.ndarray], list[np.ndarray], torch.Tensor]:
+    """The initial network, a round of two SYNTHETIC users (two windows each), one of two others, and the
+    attacker's prior: the mean window of eight further users."""
     population = generate_touchauth(
-        TouchAuthConfig(seed=0, train_users_per_model=(4,), test_users_per_model=(1,))
+        TouchAuthConfig(seed=0, train_users_per_model=(12,), test_users_per_model=(1,))
     )
     ids = population.train_user_ids()
     rng = np.random.default_rng(0)
-    windows = [population.sample_training(u, 2, rng) for u in ids]
+    windows = [population.sample_training(u, 2, rng) for u in ids[:4]]
+    prior = np.concatenate([population.sample_training(u, 8, rng) for u in ids[4:]]).mean(axis=0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         net = TouchAuthNet()
-    return net, windows[:2], windows[2:]
+    return net, windows[:2], windows[2:], torch.from_numpy(prior)
 
 
 def test_sgd_difference_is_the_triplet_gradient_of_the_round(rounds) -> None:
     """Known answer: after SGD, -(w_{t+1} - w_t) / lr is Eq. 2's mean, i.e. dL/dW of Alg. 1's loss over the
     round divided by the number of devices (equal windows per device), by autograd through the reference."""
-    net, targets, _ = rounds
+    net, targets, _, _ = rounds
     view = fdml_round_difference(net, targets, optimizer="sgd", lr=1e-2)
     x = torch.from_numpy(np.concatenate(targets)).unsqueeze(1)
     labels = torch.from_numpy(device_labels([2, 2]))
@@ -54,29 +58,26 @@ def test_sgd_difference_is_the_triplet_gradient_of_the_round(rounds) -> None:
     assert float((got - want).norm() / want.norm()) < 1e-3  # float32 rounding of w_{t+1} - w_t
 
 
-def test_inversion_beats_a_round_the_targets_were_not_in(rounds) -> None:
-    """The attack's windows are closer to the round's true windows than the same attack run on another
-    round's difference, and than its own random start; the gradient direction is matched."""
-    net, targets, others = rounds
+def test_inversion_beats_the_prior_and_a_round_the_targets_were_not_in(rounds) -> None:
+    """From the prior, the attack moves closer to the round's true windows than the prior itself, and
+    than the same attack on another round's difference (which moves away); the direction is matched."""
+    net, targets, others, prior = rounds
     labels = device_labels([2, 2])
     originals = torch.from_numpy(np.concatenate(targets)).unsqueeze(1)
-    result = invert_model_difference(
-        fdml_round_difference(net, targets), labels, iterations=100, lr=0.05, seed=1
-    )
-    control = invert_model_difference(
-        fdml_round_difference(net, others), labels, iterations=100, lr=0.05, seed=1
-    )
+    kwargs = {"iterations": ITERATIONS, "lr": 0.01, "seed": 1, "prior": prior}
+    result = invert_model_difference(fdml_round_difference(net, targets), labels, **kwargs)
+    control = invert_model_difference(fdml_round_difference(net, others), labels, **kwargs)
     attack_mse = reconstruction_metrics(originals, result.images)["mse_mean"]
     control_mse = reconstruction_metrics(originals, control.images)["mse_mean"]
-    start_mse = reconstruction_metrics(originals, result.history[0][1])["mse_mean"]
+    prior_mse = reconstruction_metrics(originals, prior.expand_as(originals).clone())["mse_mean"]
     assert result.final_loss < 0.5 * result.losses[0]
+    assert attack_mse < 0.95 * prior_mse
     assert attack_mse < 0.8 * control_mse
-    assert attack_mse < 0.8 * start_mse
 
 
 def test_one_device_round_leaves_no_difference_to_invert(rounds) -> None:
     """A round of one device has no negative, so no triplet: the difference is zero and the attack says so."""
-    net, targets, _ = rounds
+    net, targets, _, _ = rounds
     view = fdml_round_difference(net, targets[:1], optimizer="adam")
     assert all(not bool(d.any()) for d in view.update.values())
     with pytest.raises(ValidationError, match="zero everywhere"):

@@ -22,7 +22,7 @@
 - ``fedveil attack fdml-membership [--users 64] [--rounds 120] [--num-required 64] [--seed 0] [--out DIR]
   [--json]``: user-level membership inference against the FDML embedding network every selected device
   receives, beside the control (:func:`~fedveil.experiments.attacks.fdml_views.fdml_membership_table`).
-- ``fedveil attack fdml-inversion [--cohorts 1,2,4] [--windows 2] [--iterations 1000] [--seed 0] [--out DIR]
+- ``fedveil attack fdml-inversion [--cohorts 1,2,4] [--windows 2] [--iterations 400] [--seed 0] [--out DIR]
   [--json]``: gradient inversion of the touch windows of a round from the difference of two consecutive
   global models (SGD and Adam steps), beside controls
   (:func:`~fedveil.experiments.attacks.fdml_inversion.fdml_inversion_table`).
@@ -124,11 +124,11 @@ def register(subparsers: Any) -> None:
         "fdml-inversion",
         help="FDML: gradient inversion of a round's touch windows from a global-model difference",
         description="FDML: reconstruct the SYNTHETIC TouchAuth windows of a round from w_{t+1} - w_t "
-        "(after an SGD and an Adam step), beside a round the targets were not in and two guesses",
+        "(after an SGD and an Adam step), beside a round the targets were not in and the mean window",
     )
     p.add_argument("--cohorts", default="1,2,4", help="devices per round, one attack each (default 1,2,4)")
     p.add_argument("--windows", type=int, default=2, help="touch windows per device (default 2)")
-    p.add_argument("--iterations", type=int, default=1000, help="attack iterations (default 1000)")
+    p.add_argument("--iterations", type=int, default=400, help="attack iterations (default 400)")
     _common(p)
     parser.set_defaults(func=run)
 
@@ -326,7 +326,7 @@ def _fdml_inversion(args: argparse.Namespace) -> int:
         if entry["attack"] is None:
             print(f"{name:10s} {entry['note']}")
             continue
-        keys = ("attack", "control/other-round", "baseline/initial-draw", "baseline/prior-mean-window")
+        keys = ("attack", "control/other-round", "baseline/prior-mean-window")
         cells = [
             f"{key} MSE {entry[key]['mse_mean']:.4f} cos {entry[key]['cosine_mean']:.3f}" for key in keys
         ]

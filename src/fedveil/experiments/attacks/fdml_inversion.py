@@ -29,10 +29,11 @@ Alg. 1 labels every embedding by the device that uploaded it, and the number of 
 per device are the round's public settings, so the labels are known up to a renaming, to which the loss is
 invariant.
 
-:func:`fdml_inversion_table` attacks rounds of 1, 2 and 4 SYNTHETIC TouchAuth users and scores each
-reconstruction with :func:`~fedveil.attacks.inversion.evaluate_inversion` (MSE after the Hungarian
-matching), plus the cosine of each matched pair. Controls: the same optimisation against a round of other
-users (the targets were not in it), scored against the targets; and the random initial draw's error.
+:func:`fdml_inversion_table` attacks rounds of 1, 2 and 4 SYNTHETIC TouchAuth users, starting from the
+attacker's prior (the population's mean window, jittered), and scores each reconstruction with
+:func:`~fedveil.attacks.inversion.evaluate_inversion` (MSE after the Hungarian matching), plus the cosine
+of each matched pair. Controls: the same optimisation against a round of other users (the targets were not
+in it), scored against the targets; and the prior itself, the guess that needs no difference.
 """
 
 from __future__ import annotations
@@ -145,15 +146,18 @@ def invert_model_difference(
     lr: float = 0.05,
     seed: int = 0,
     restarts: int = 1,
+    prior: torch.Tensor | None = None,
+    jitter: float = 0.05,
 ) -> InversionResult:
     """Reconstruct the round's windows from a model-difference ``view`` (module docstring).
 
     ``labels`` ``(N,)``: the round's triplet structure (the device of each embedding). Adam at ``lr`` on
     the dummy windows for ``iterations`` steps, the windows clamped to ``[0, 1]`` after each; ``restarts``
-    fresh uniform draws from a generator seeded with ``seed``, the iterate of least objective kept. The
-    matching runs in float64 on a copy of the view's model. A sealed view raises
-    :class:`~fedveil.attacks.views.NoPlaintextView`; a zero difference (no active triplet: nothing to
-    match) raises :class:`ValidationError`."""
+    fresh uniform draws from a generator seeded with ``seed`` (with a ``prior`` guess ``(30, 10)`` of a
+    window: that guess plus uniform noise of half-width ``jitter``, which separates the dummies), the
+    iterate of least objective kept. The matching runs in float64 on a copy of the view's model. A sealed
+    view raises :class:`~fedveil.attacks.views.NoPlaintextView`; a zero difference (no active triplet:
+    nothing to match) raises :class:`ValidationError`."""
     uv = require_update_view(view, ATTACK)
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ConfigError(f"iterations must be a positive integer, got {iterations!r}")
@@ -177,7 +181,10 @@ def invert_model_difference(
     evaluations = 0
     start = time.perf_counter()
     for _ in range(restarts):
-        x = torch.rand((y.shape[0], *SAMPLE_SHAPE), generator=gen, dtype=torch.float64).requires_grad_(True)
+        x = torch.rand((y.shape[0], *SAMPLE_SHAPE), generator=gen, dtype=torch.float64)
+        if prior is not None:
+            x = (prior.double().expand_as(x) + jitter * (2 * x - 1)).clamp(0.0, 1.0)
+        x.requires_grad_(True)
         first = x.detach().clone() if first is None else first
         opt = torch.optim.Adam([x], lr=lr)
         losses: list[float] = []
@@ -255,8 +262,8 @@ def fdml_inversion_table(
     windows: int = 2,
     optimizers: Sequence[Optimizer] = ("sgd", "adam"),
     prior_users: int = 16,
-    iterations: int = 1000,
-    attack_lr: float = 0.02,
+    iterations: int = 400,
+    attack_lr: float = 0.01,
     lr: float = 3e-3,
     margin: float = 1.0,
     seed: int = 0,
@@ -265,10 +272,10 @@ def fdml_inversion_table(
     """The model-difference inversion table (module docstring): for each cohort size ``K`` of ``cohorts``,
     a round of ``K`` SYNTHETIC TouchAuth users with ``windows`` windows each on the initial network
     (seeded by ``seed``), its difference after each of ``optimizers`` at ``lr``, attacked with
-    ``iterations`` Adam steps at ``attack_lr``. Beside each: the control (the same attack on a round of
-    ``K`` other users, scored against the targets), the initial draw's error and the prior's (the mean
-    window of ``prior_users`` further users, each ``8`` windows: what an attacker guesses without the
-    difference). Returns (and writes to ``out/fdml_inversion.json``) one entry per cohort and optimizer."""
+    ``iterations`` Adam steps at ``attack_lr`` from the prior (the mean window of ``prior_users`` further
+    users, 8 windows each: what an attacker guesses without the difference). Beside each: the control
+    (the same attack on a round of ``K`` other users, scored against the targets) and the prior's own
+    error. Returns (and writes to ``out/fdml_inversion.json``) one entry per cohort and optimizer."""
     if not cohorts or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in cohorts):
         raise ConfigError(f"cohorts {cohorts!r} must be positive integers")
     if isinstance(windows, bool) or not isinstance(windows, int) or windows < 2:
@@ -282,7 +289,7 @@ def fdml_inversion_table(
     ids = population.train_user_ids()
     rng = np.random.default_rng([seed, 11])
     prior_windows = np.concatenate([population.sample_training(u, 8, rng) for u in ids[2 * largest :]])
-    prior = torch.from_numpy(prior_windows.mean(axis=0)).unsqueeze(0)
+    prior = torch.from_numpy(prior_windows.mean(axis=0))
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         net = TouchAuthNet()
@@ -301,16 +308,21 @@ def fdml_inversion_table(
                 entry["note"] = "the difference is zero: a round of one device has no triplet (no negative)"
             else:
                 result = invert_model_difference(
-                    view, labels, margin=margin, iterations=iterations, lr=attack_lr, seed=seed
+                    view, labels, margin=margin, iterations=iterations, lr=attack_lr, seed=seed, prior=prior
                 )
                 control_view = fdml_round_difference(net, others, margin=margin, optimizer=optimizer, lr=lr)
                 control = invert_model_difference(
-                    control_view, labels, margin=margin, iterations=iterations, lr=attack_lr, seed=seed
+                    control_view,
+                    labels,
+                    margin=margin,
+                    iterations=iterations,
+                    lr=attack_lr,
+                    seed=seed,
+                    prior=prior,
                 )
                 entry["attack"] = _score(result, originals)
                 entry["control/other-round"] = _score(control, originals)
-                entry["baseline/initial-draw"] = _guess_score(result.history[0][1], originals)
-            entry["baseline/prior-mean-window"] = _guess_score(prior.expand_as(originals), originals)
+            entry["baseline/prior-mean-window"] = _guess_score(prior.expand_as(originals).clone(), originals)
             table[f"K={k}/{optimizer}"] = entry
     summary = {
         "run": {
