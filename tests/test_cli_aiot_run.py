@@ -12,8 +12,8 @@ import torch
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.experiments.aiot.runner import METHODS, load_aiot_run
 from fedveil.experiments.aiot import runner as aiot
+from fedveil.experiments.aiot.runner import METHODS, load_aiot_run
 from fedveil.experiments.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 
 TINY = """

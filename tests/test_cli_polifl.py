@@ -12,8 +12,8 @@ import pytest
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.experiments.polifl.runner import load_polifl_run
 from fedveil.experiments.polifl import runner as polifl
+from fedveil.experiments.polifl.runner import load_polifl_run
 
 TINY = """
 name: tiny
