@@ -58,9 +58,11 @@ def test_sgd_difference_is_the_triplet_gradient_of_the_round(rounds) -> None:
     assert float((got - want).norm() / want.norm()) < 1e-3  # float32 rounding of w_{t+1} - w_t
 
 
-def test_inversion_beats_the_prior_and_a_round_the_targets_were_not_in(rounds) -> None:
-    """From the prior, the attack moves closer to the round's true windows than the prior itself, and
-    than the same attack on another round's difference (which moves away); the direction is matched."""
+def test_inversion_moves_towards_the_round_and_the_control_does_not(rounds) -> None:
+    """From the prior, the attack on the round's difference ends closer to the round's true windows than
+    the same attack on the difference of a round the targets were not in, which moves away from them (its
+    error exceeds the prior's); the gradient direction is matched. Whether the attack also beats the prior
+    is left to the table (docs/results.md): on this draw it does, by about a tenth; on the table's, not."""
     net, targets, others, prior = rounds
     labels = device_labels([2, 2])
     originals = torch.from_numpy(np.concatenate(targets)).unsqueeze(1)
@@ -71,8 +73,8 @@ def test_inversion_beats_the_prior_and_a_round_the_targets_were_not_in(rounds) -
     control_mse = reconstruction_metrics(originals, control.images)["mse_mean"]
     prior_mse = reconstruction_metrics(originals, prior.expand_as(originals).clone())["mse_mean"]
     assert result.final_loss < 0.5 * result.losses[0]
-    assert attack_mse < 0.95 * prior_mse
     assert attack_mse < 0.8 * control_mse
+    assert control_mse > prior_mse
 
 
 def test_one_device_round_leaves_no_difference_to_invert(rounds) -> None:
