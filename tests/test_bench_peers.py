@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedveil.cli import main
 from fedveil.errors import ConfigError
 from fedveil.experiments.bench.floor import training_flops, tree_cpu_seconds
-from fedveil.experiments.bench.peers import bench_peers, write_task
+from fedveil.experiments.bench.peers import bench_peers, run_environment, write_task
 from fedveil.experiments.bench.scale import scale_users
 from fedveil.models.weights import load_weights
 from fedveil.models.zoo import build_model
@@ -106,6 +106,15 @@ def test_fedveil_row_has_every_field(tmp_path: Path) -> None:
     assert row["fraction_of_floor"] == pytest.approx(
         row["flops_per_round"] / row["peak_gemm_flops_per_second"] / row["cpu_seconds_per_round"]
     )
+
+
+def test_every_process_of_a_run_gets_passive_openmp_threads_unless_the_caller_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert run_environment()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert run_environment()["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def _flop_counter(model: nn.Module, x: torch.Tensor) -> int:

@@ -12,7 +12,8 @@ This module needs only numpy, torch and safetensors, so it runs in any peer's vi
 script trains ``rounds`` timed rounds after one warm-up round and prints one JSON row (:func:`row`). CPU
 time is fedveil's own measurement (:func:`tree_cpu_seconds`, from ``fedveil.experiments.bench.floor``,
 loaded by path from this checkout: it needs only the standard library), so every framework's CPU seconds
-per round are counted alike.
+per round are counted alike. ``fedveil bench peers`` runs the scripts with ``OMP_WAIT_POLICY=PASSIVE``
+(spinning OpenMP threads would count the machine's load as CPU time); set it too when running one by hand.
 """
 
 from __future__ import annotations

@@ -36,15 +36,22 @@ each row also has:
   (:func:`~fedveil.experiments.bench.floor.training_flops`; biases, activations, pooling and the optimiser
   step are not counted);
 - ``peak_gemm_flops_per_second``: FLOPs per CPU second of a 2048 x 2048 float32 ``torch.matmul`` on
-  ``threads`` threads, measured once per run in this process (the same torch as every peer);
+  ``threads`` threads, measured once per run in a fresh process (the same torch as every peer);
 - ``fraction_of_floor``: ``flops_per_round / peak_gemm_flops_per_second / cpu_seconds_per_round``, the
   share of the CPU time that the arithmetic at the peak rate would take (1.0: a round all GEMM at peak).
+
+Every process of the run (the frameworks' and the peak GEMM's) gets ``OMP_WAIT_POLICY=PASSIVE`` unless
+the caller's environment sets it: by default OpenMP's idle threads spin, and on a loaded machine a thread
+spins for as long as the one it waits for is descheduled, so CPU time then grows with the load (fedveil
+at 10 clients per round, 2 threads, load average 5: 7.9 CPU seconds per round spinning, 0.78 passive,
+0.60 on one thread).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -58,7 +65,7 @@ import numpy as np
 
 from fedveil.core.atomic import atomic_file, atomic_write
 from fedveil.errors import ConfigError
-from fedveil.experiments.bench.floor import peak_gemm_flops_per_second, training_flops
+from fedveil.experiments.bench.floor import training_flops
 from fedveil.experiments.bench.scale import (
     SCALE_BATCH,
     SCALE_EPOCHS,
@@ -75,7 +82,9 @@ __all__ = [
     "check_settings",
     "floor_fields",
     "format_table",
+    "measure_peak_gemm",
     "peer_python",
+    "run_environment",
     "run_peer",
     "setup_peers",
     "write_task",
@@ -258,13 +267,35 @@ def _installed(python: Path, package: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else "not installed"
 
 
+def run_environment() -> dict[str, str]:
+    """The environment of every process of a run: this one's, with OpenMP's idle threads asleep
+    (``OMP_WAIT_POLICY=PASSIVE``) unless it says otherwise (module docstring)."""
+    return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+
+
+def measure_peak_gemm(threads: int) -> float:
+    """:func:`~fedveil.experiments.bench.floor.peak_gemm_flops_per_second` per CPU second on ``threads``
+    threads, in a fresh process of :func:`run_environment` (OpenMP reads it when torch loads)."""
+    code = (
+        "import time; from fedveil.experiments.bench.floor import peak_gemm_flops_per_second as peak; "
+        f"print(peak({threads}, clock=time.process_time))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=run_environment()
+    )
+    if done.returncode != 0:
+        raise ConfigError(f"measuring the peak GEMM rate failed: {done.stderr.strip()[-1500:]}")
+    return float(done.stdout)
+
+
 def run_peer(name: str, task: Path, cohort: int, threads: int, *, venvs: Path) -> dict[str, Any]:
     """Peer ``name``'s script on ``task`` at ``cohort`` clients per round, in a fresh process of its
-    venv's python; returns its JSON row (the last line of its output that is a JSON object)."""
+    venv's python and :func:`run_environment`; returns its JSON row (the last line of its output that
+    is a JSON object)."""
     script = repo_root() / "benchmarks" / "peers" / PEERS[name].script
     command = [str(peer_python(name, venvs)), str(script), "--task", str(task), "--cohort", str(cohort)]
     command += ["--threads", str(threads)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=7200)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=7200, env=run_environment())
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         raise ConfigError(
@@ -286,6 +317,7 @@ def _fedveil_row(
         actors=actors,
         seed=seed,
         threads=threads,
+        env=run_environment(),
     )
     from fedveil._version import __version__
 
@@ -341,7 +373,7 @@ def bench_peers(
     task = out / "task"
     progress(f"bench peers: writing the task to {task}")
     manifest = write_task(task, clients=clients, samples=samples, rounds=rounds, cohorts=cohorts, seed=seed)
-    peak = peak_gemm_flops_per_second(threads, clock=time.process_time)
+    peak = measure_peak_gemm(threads)
     progress(f"bench peers: peak GEMM {peak / 1e9:.1f} GFLOP per CPU second on {threads} threads")
     rows = []
     for name in frameworks:

@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -178,14 +178,23 @@ def measure_setting(
 
 
 def measure_in_subprocess(
-    *, clients: int, per_round: int, rounds: int, samples: int, actors: int, seed: int, threads: int
+    *,
+    clients: int,
+    per_round: int,
+    rounds: int,
+    samples: int,
+    actors: int,
+    seed: int,
+    threads: int,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """:func:`measure_setting` in a fresh ``python -m fedveil bench scale --one`` process (its own RSS)."""
+    """:func:`measure_setting` in a fresh ``python -m fedveil bench scale --one`` process (its own RSS),
+    with the environment ``env`` (default: this process's)."""
     command = [sys.executable, "-m", "fedveil", "bench", "scale", "--one", "--json"]
     command += ["--clients", str(clients), "--actors", str(actors), "--per-round", str(per_round)]
     command += ["--rounds", str(rounds), "--samples", str(samples), "--seed", str(seed)]
     command += ["--threads", str(threads)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=env)
     if done.returncode != 0:
         raise ConfigError(f"setting clients={clients} actors={actors} failed: {done.stderr.strip()[-800:]}")
     return dict(json.loads(done.stdout))
