@@ -177,7 +177,7 @@ def invert_model_difference(
     wrt = [params[n] for n in names]
     y = torch.as_tensor(np.asarray(labels))
     gen = torch.Generator().manual_seed(seed)
-    best_loss, best_x, best_losses, first = math.inf, None, [], None
+    best_loss, best_x, best_losses, best_start = math.inf, None, [], None
     evaluations = 0
     start = time.perf_counter()
     for _ in range(restarts):
@@ -185,7 +185,7 @@ def invert_model_difference(
         if prior is not None:
             x = (prior.double().expand_as(x) + jitter * (2 * x - 1)).clamp(0.0, 1.0)
         x.requires_grad_(True)
-        first = x.detach().clone() if first is None else first
+        drawn = x.detach().clone()
         opt = torch.optim.Adam([x], lr=lr)
         losses: list[float] = []
         for _ in range(iterations):
@@ -201,20 +201,19 @@ def invert_model_difference(
             value = float(objective.detach())
             losses.append(value)
             if value < best_loss:
-                best_loss, best_x, best_losses = value, x.detach().clone(), losses
+                best_loss, best_x, best_losses, best_start = value, x.detach().clone(), losses, drawn
             opt.zero_grad()
             x.grad = torch.autograd.grad(objective, x)[0]
             opt.step()
             with torch.no_grad():
                 x.clamp_(0.0, 1.0)
-    if best_x is None:
+    if best_x is None or best_start is None:
         raise ValidationError(f"{ATTACK}: no dummy draw had an active triplet; nothing to report")
-    assert first is not None
     return InversionResult(
         attack=ATTACK,
         images=best_x.float(),
         labels=y.to(torch.int64),
-        history=[(0, first.float()), (iterations, best_x.float())],
+        history=[(0, best_start.float()), (iterations, best_x.float())],
         losses=best_losses,
         final_loss=best_loss,
         seconds=time.perf_counter() - start,
