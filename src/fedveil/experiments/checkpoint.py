@@ -159,8 +159,7 @@ def add_run_arguments(parser: Any, *, out_default: Path | None = None) -> None:
     parser.add_argument(
         "--device",
         default=None,
-        help="where training runs: auto (CUDA when available), cpu, cuda or cuda:N "
-        "(same as --set device=D)",
+        help="where training runs: auto (CUDA when available), cpu, cuda or cuda:N (same as --set device=D)",
     )
     add_run_dir_arguments(parser)
 
