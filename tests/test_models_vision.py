@@ -280,6 +280,7 @@ def test_importing_the_zoo_is_cheap() -> None:
     run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert set(run.stdout.split()) == {
         "fedveil",
+        "fedveil._version",
         "fedveil.errors",
         "fedveil.models",
         "fedveil.models.vision",
