@@ -20,6 +20,7 @@ import yaml
 from fedveil.errors import ConfigError
 from fedveil.models.device import check_device_spec
 from fedveil.protocols.settings import FDMLConfig, FedAvgConfig
+from fedveil.runtime.simulation import LATENCY_KINDS
 
 __all__ = [
     "BOUNDARIES",
@@ -54,7 +55,6 @@ __all__ = [
 PROTOCOLS = ("fdml", "fedavg")
 DATA_KINDS = ("touchauth-synthetic", "touchauth-csv", "cameraauth-synthetic", "cameraauth-folder")
 NETWORKS = ("auto", "touchauth", "resnet34")
-LATENCY_KINDS = ("constant", "exponential", "lognormal", "uniform")
 DP_MODES = ("paper", "strict")
 BOUNDARIES = ("process", "inprocess", "none")
 
