@@ -20,6 +20,12 @@ Message = Any
 Validator = Callable[[ClientId, Message], None]
 """Protocol-level check of one decoded reply; raises :class:`fedveil.errors.ValidationError`."""
 
+Fold = Callable[[ClientId, Message], Message]
+"""What a request keeps of one accepted reply: called once per valid reply, right after ``validate``,
+with the reply; its return value takes the reply's place in the request's result (e.g. the reply without
+its weights, once the weights went into a running sum). A :class:`fedveil.errors.ValidationError` it
+raises makes the reply a dropout; it must then have changed nothing (check before accumulating)."""
+
 
 @dataclass(frozen=True)
 class Deferred:
@@ -102,12 +108,18 @@ class Communicator(Protocol):
         timeout: float,
         expected: type | tuple[type, ...],
         validate: Validator | None = None,
+        fold: Fold | None = None,
     ) -> dict[ClientId, Message]:
         """Send ``msgs[c]`` to each client ``c`` and gather replies.
 
         Returns as soon as ``min_replies`` valid replies have arrived (the earliest ones), or when
         ``timeout`` seconds have passed, with whatever valid replies arrived by then. Replies of the
         wrong type, that fail decoding or ``validate``, or that arrive after the return are dropouts.
+        With ``fold``, each valid reply is handed to it as the runtime accepts it, and the result holds
+        what ``fold`` returned instead of the reply, so the runtime holds no reply once it is folded
+        (the order of the calls is the runtime's: arrival order on a network, the addressed
+        order in the simulation). Only replies that count reach ``fold``: never an invalid one, nor one
+        the result then leaves out.
         """
         ...
 
