@@ -47,6 +47,9 @@ def register(subparsers: Any) -> None:
     f.add_argument("--epochs", type=int, default=8, help="pre-training epochs (default 8)")
     f.add_argument("--finetune-epochs", type=int, default=8, help="fine-tuning epochs (default 8)")
     f.add_argument("--seed", type=int, default=0, help="seed of the population and the training")
+    f.add_argument(
+        "--device", default="auto", help="where it trains and embeds: auto (default), cpu, cuda or cuda:N"
+    )
     f.add_argument("--json", action="store_true", help="print faces.json (no progress output)")
     e = actions.add_parser("efficiency", help="Table 3: parameters, FLOPs, disk and training memory")
     e.add_argument("--image-size", type=int, default=112, help="input side, a multiple of 16 (default 112)")
@@ -69,6 +72,7 @@ def _faces(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         finetune_epochs=args.finetune_epochs,
         seed=args.seed,
+        device=args.device,
     )
     result = measure_domain_gap(cfg, progress=not args.json)
     args.out.mkdir(parents=True, exist_ok=True)

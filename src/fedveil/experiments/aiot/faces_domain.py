@@ -32,6 +32,7 @@ from tqdm import tqdm
 from fedveil.data.faces import FaceImages, synthetic_faces
 from fedveil.errors import ConfigError
 from fedveil.eval.verification import tpr_at_fpr
+from fedveil.models.device import check_device_spec, module_device, resolve_device
 from fedveil.models.faces import ArcFace, MobileFaceNet
 
 __all__ = ["FaceDomainRun", "embed_faces", "measure_domain_gap", "train_faces", "verification"]
@@ -42,7 +43,8 @@ FARS = (1e-3, 1e-4)
 @dataclass(frozen=True)
 class FaceDomainRun:
     """Sizes of the measurement (module docstring); the defaults run in a few minutes on 2 cores, at a
-    reduced MobileFaceNet (``size`` 64, ``width`` 0.5) that every result names."""
+    reduced MobileFaceNet (``size`` 64, ``width`` 0.5) that every result names. ``device``
+    (:func:`~fedveil.models.device.resolve_device`): where the model trains and embeds the photos."""
 
     size: int = 64
     width: float = 0.5
@@ -57,8 +59,10 @@ class FaceDomainRun:
     finetune_lr: float = 3e-3
     seed: int = 0
     threads: int = 2
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_device_spec(self.device)
         for name in (
             "public_identities",
             "private_train_identities",
@@ -76,13 +80,16 @@ class FaceDomainRun:
 
 def embed_faces(model: nn.Module, x: np.ndarray, *, batch: int = 256, normalise: bool = True) -> np.ndarray:
     """Embeddings of ``x`` ``(n, 3, S, S)`` with ``model`` in eval mode, L2-normalised unless
-    ``normalise=False`` (AIoT Eq. 5 compares raw embeddings)."""
+    ``normalise=False`` (AIoT Eq. 5 compares raw embeddings), in host memory. They are computed where
+    ``model``'s parameters are (:func:`~fedveil.models.device.module_device`): each batch of ``batch``
+    photos moves there, and its embeddings come back."""
+    device = module_device(model)
     model.eval()
     out = []
     with torch.no_grad():
         for s in range(0, len(x), batch):
-            e = model(torch.from_numpy(x[s : s + batch]))
-            out.append((nn.functional.normalize(e) if normalise else e).numpy())
+            e = model(torch.from_numpy(x[s : s + batch]).to(device))
+            out.append((nn.functional.normalize(e) if normalise else e).cpu().numpy())
     return np.concatenate(out)
 
 
@@ -113,17 +120,24 @@ def train_faces(
     freeze_bn: bool = False,
     desc: str = "train",
     progress: bool = True,
+    device: str | torch.device = "cpu",
 ) -> ArcFace:
     """Central training of ``model`` with a fresh ArcFace head (scale 64, margin 0.5) over ``faces``'
     identities (Adam, the rate decayed on a cosine to 0); ``freeze_bn`` keeps BatchNorm's statistics
-    (AIoT Sec. 4.1). Returns the head."""
+    (AIoT Sec. 4.1). Returns the head.
+
+    ``device`` (:func:`~fedveil.models.device.resolve_device`): ``model`` moves there (and stays, as
+    :meth:`torch.nn.Module.to` leaves it), the head is made there and the photos move there once; the
+    batch order is drawn on the CPU from ``seed``, so every device sees the same batches."""
+    where = resolve_device(device)
+    model.to(where)
     gen = torch.Generator().manual_seed(seed)
-    head = ArcFace(model.embedding_dim, len(faces.names))
+    head = ArcFace(model.embedding_dim, len(faces.names)).to(where)
     params = list(model.parameters()) + list(head.parameters())
     opt = torch.optim.Adam(params, lr=lr)
     steps = epochs * -(-len(faces) // batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(1, steps))
-    x, y = torch.from_numpy(faces.x), torch.from_numpy(faces.identity)
+    x, y = torch.from_numpy(faces.x).to(where), torch.from_numpy(faces.identity).to(where)
     bar = tqdm(total=steps, desc=desc, unit="step", disable=not progress)
     for _ in range(epochs):
         model.train()
@@ -131,7 +145,7 @@ def train_faces(
             for m in model.modules():
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
                     m.eval()
-        order = torch.randperm(len(y), generator=gen)
+        order = torch.randperm(len(y), generator=gen).to(where)
         for s in range(0, len(y), batch_size):
             idx = order[s : s + batch_size]
             if len(idx) < 2:
@@ -148,7 +162,9 @@ def train_faces(
 
 
 def measure_domain_gap(run: FaceDomainRun, *, progress: bool = True) -> dict[str, Any]:
-    """Pre-train on public, evaluate on private, fine-tune on private, evaluate again (module docstring)."""
+    """Pre-train on public, evaluate on private, fine-tune on private, evaluate again (module docstring),
+    on ``run.device``."""
+    device = resolve_device(run.device)
     torch.set_num_threads(run.threads)
     torch.manual_seed(run.seed)
     start = time.perf_counter()
@@ -171,6 +187,7 @@ def measure_domain_gap(run: FaceDomainRun, *, progress: bool = True) -> dict[str
         seed=run.seed,
         desc="pre-train (public)",
         progress=progress,
+        device=device,
     )
     pre_public = verification(model, public_test, public_ref)
     pre_private = verification(model, private_test, private_ref)
@@ -183,6 +200,7 @@ def measure_domain_gap(run: FaceDomainRun, *, progress: bool = True) -> dict[str
         seed=run.seed + 1,
         desc="fine-tune (private)",
         progress=progress,
+        device=device,
     )
     post_private = verification(model, private_test, private_ref)
     return {

@@ -6,7 +6,9 @@ epochs on MS-Celeb-1M). The **private** domain's training identities are spread 
 (:func:`~fedveil.data.faces.face_devices`); its held-out identities are the test set. Methods, each
 evaluated by TAR at FAR 1e-3 and 1e-4 on reference-vs-wild pairs of the held-out identities
 (:func:`~fedveil.experiments.aiot.faces_domain.verification`) and by the identification accuracy of Eq. 5
-(each wild photo's nearest reference embedding, :func:`~fedveil.protocols.projector.identify`):
+(each wild photo's nearest reference embedding, :func:`~fedveil.protocols.projector.identify`).
+The run's ``device`` (:func:`~fedveil.models.device.resolve_device`) is where all of it computes: the
+pre-training, the devices' fine-tuning and the embeddings of the evaluation. Methods:
 
 - ``pretrained``: the pre-trained model as it is (no trials: it does not depend on them);
 - ``ours``: the private-projector protocol (:mod:`fedveil.protocols.projector`) on the FedAvg engine, with
@@ -94,8 +96,9 @@ METHODS = ("pretrained", "centralized", "solo", "ours", "no_pretrain", "no_froze
 @dataclass(frozen=True)
 class AiotRun:
     """A run's settings (module docstring); ``size`` and ``width`` reduce MobileFaceNet for this machine
-    (the paper: 112 and 1) and are named in every result. ``device``: where the devices fine-tune
-    (:func:`~fedveil.models.device.resolve_device`); pre-training and evaluation run on the CPU."""
+    (the paper: 112 and 1) and are named in every result. ``device``
+    (:func:`~fedveil.models.device.resolve_device`): where the server pre-trains, the devices fine-tune
+    and the evaluation embeds the photos."""
 
     name: str = "aiot"
     size: int = 64
@@ -169,7 +172,9 @@ def _unused_settings(run: AiotRun) -> list[tuple[str, bool, str]]:
 
 
 def evaluate_faces(model: torch.nn.Module, faces: FaceImages, reference: np.ndarray) -> dict[str, Any]:
-    """TAR at FAR 1e-3 / 1e-4 of reference-vs-wild pairs and Eq. 5's identification accuracy."""
+    """TAR at FAR 1e-3 / 1e-4 of reference-vs-wild pairs and Eq. 5's identification accuracy; the
+    embeddings are computed where ``model``'s parameters are
+    (:func:`~fedveil.experiments.aiot.faces_domain.embed_faces`)."""
     row = verification(model, faces, reference)
     e = embed_faces(model, faces.x, normalise=False)
     predicted = identify(e[reference], faces.identity[reference], e[~reference])
@@ -238,7 +243,8 @@ def _federate(
 ) -> MobileFaceNet:
     """The projector protocol over ``devices`` from the pre-trained ``state`` (``None``: random);
     ``stop`` ends it at the end of a round after a Ctrl-C, after the round's checkpoint
-    (``checkpoints``, which also continues a resumed part from its last round)."""
+    (``checkpoints``, which also continues a resumed part from its last round). The fine-tuned backbone
+    is returned on the run's device, where it is evaluated."""
     torch.manual_seed(seed)
     backbone = MobileFaceNet(image_size=run.size, width=run.width)
     if state is not None:
@@ -308,7 +314,7 @@ def _federate(
 
     asyncio.run(go())
     flat.load_into_module(server.full_weights())
-    return backbone.cpu()
+    return backbone
 
 
 def _method(
@@ -432,7 +438,7 @@ def run_aiot(
 ) -> dict[str, Any]:
     """Pre-train (or reuse the saved pre-training), then each method and trial not yet done; writes
     ``results.json`` after each and returns it (module docstring)."""
-    resolve_device(run.device)  # a device this machine lacks fails before the run directory is touched
+    device = resolve_device(run.device)  # a device this machine lacks fails before the run folder is touched
     out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     torch.set_num_threads(run.threads)
     settings = asdict(run)
@@ -473,7 +479,7 @@ def run_aiot(
     torch.manual_seed(run.seed)
     model = MobileFaceNet(image_size=run.size, width=run.width)
     if weights.is_file():
-        model = load_weights(model, weights)
+        model = load_weights(model, weights).to(device)
     else:
         try:
             train_faces(
@@ -485,6 +491,7 @@ def run_aiot(
                 seed=run.seed,
                 desc="pre-train (public)",
                 progress=progress,
+                device=device,
             )
         except KeyboardInterrupt:  # the pre-training is saved only when it ends: Ctrl-C stops it at once
             raise RunInterrupted(
