@@ -40,6 +40,15 @@ enclave's simulated quote verified by each client TEE), which is an improvement 
 hard-coded AES-CBC keys (Sec. 5.1); ``tests/test_protocols_ppfl.py`` relays every byte of a whole run
 through a spy and finds no trained value in it. The server's enclave can also run in its own process
 (``boundary="process"``). Client TEEs are not attested to the server (the paper's neither).
+
+**On an accelerator.** ``device`` is where the simulation computes each client, its REE and its
+emulated TEE alike (:class:`PpflClients`): the frozen layers, and the TEE's training and evaluation of
+``theta_l``, which is opened from its record in host memory, moves to the device, and comes back to
+host memory to be sealed. An emulated TEE on a GPU is still emulated: what protects ``theta_l`` is the
+sealed channel, not hardware, exactly as on the CPU. On a real deployment the TEE computes on the
+device's CPU (TrustZone's secure world and an SGX enclave cannot reach a GPU), so there only the REE's
+frozen layers could use an accelerator; the GPU setting is for simulating many clients faster. The
+server's enclave stays numpy on the CPU in every case.
 """
 
 from __future__ import annotations
@@ -469,11 +478,18 @@ def public_unit_values(model: LayerwiseNet, public: nn.Module) -> list[np.ndarra
 
 class ClientTee:
     """One client's emulated TEE (TrustZone in the paper): it holds its session with the server's
-    enclave, and ``theta_l`` and the optimiser state only while it trains (Alg. 2)."""
+    enclave, and ``theta_l`` and the optimiser state only while it trains (Alg. 2).
 
-    def __init__(self, session: EnclaveClientSession, tee_bytes: int) -> None:
+    ``device`` (a resolved :class:`torch.device`; ``None``: the CPU) is where the emulation computes:
+    ``theta_l`` is opened in host memory and moves there, the REE's batches are expected there, and the
+    trained values come back to host memory to be sealed (module docstring, "Emulated TEEs")."""
+
+    def __init__(
+        self, session: EnclaveClientSession, tee_bytes: int, device: torch.device | None = None
+    ) -> None:
         self.session = session
         self.tee_bytes = tee_bytes
+        self.device = torch.device("cpu") if device is None else device
 
     def train(
         self,
@@ -490,7 +506,7 @@ class ClientTee:
         net.train()
         p, loss = local_train(
             lambda q, t, y: nn.functional.cross_entropy(flat(q, t), y),
-            torch.from_numpy(theta),
+            torch.from_numpy(theta).to(self.device),
             batches,
             optimizer,
             rates,
@@ -507,20 +523,22 @@ class ClientTee:
         return theta
 
     def seal(self, rnd: int, p: torch.Tensor, loss: torch.Tensor) -> bytes:
-        """The trained ``theta_l^(j)`` and the mean loss, sealed to the server's enclave."""
-        return self.session.seal_update(rnd, np.append(p.detach().numpy(), np.float32(loss)))
+        """The trained ``theta_l^(j)`` and the mean loss, copied to host memory and sealed to the server's
+        enclave."""
+        return self.session.seal_update(rnd, np.append(p.detach().cpu().numpy(), np.float32(float(loss))))
 
     def evaluate(
         self, rnd: int, record: bytes, net: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
     ) -> tuple[int, float]:
-        """Open the sealed values into ``net`` and score it on ``(T, y)``: correct count, summed loss."""
+        """Open the sealed values into ``net`` and score it on ``(T, y)`` (``net``, ``T`` and ``y`` on
+        :attr:`device`): correct count, summed loss."""
         flat = FlatModel(net)
         theta = np.array(self.session.open_model(rnd, record), dtype=np.float32)
         if theta.shape != (flat.num_params,):
             raise ValidationError(f"sealed values of {theta.size}, the evaluated part has {flat.num_params}")
         with torch.no_grad():
             net.eval()
-            logits = flat(torch.from_numpy(theta), inputs)
+            logits = flat(torch.from_numpy(theta).to(self.device), inputs)
             loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
         return int((logits.argmax(1) == labels).sum()), float(loss)
 
@@ -537,10 +555,12 @@ class PpflClients:
     (default) where the stage's network is small enough for that to be faster (the FedAvg engine's rule,
     :data:`~fedveil.protocols.fedavg.BATCH_BELOW_PARAMS`).
 
-    ``device`` (:func:`~fedveil.models.device.resolve_device`) is where each REE runs its frozen layers:
-    its examples move there once, copies of the released layers once per release, and the activations
-    ``T_{l-1}`` come back to host memory for the TEE, which stays on the CPU (as the enclave does). The
-    released layers the REE keeps (:attr:`frozen`, :meth:`trained_model`) stay on the CPU.
+    ``device`` (:func:`~fedveil.models.device.resolve_device`) is where the simulation computes each
+    client, its REE and its emulated TEE alike: the examples and labels move there once, copies of the
+    released layers once per release, the activations ``T_{l-1}`` stay there for the TEE, and each TEE
+    trains and evaluates its stage there (:class:`ClientTee`), ``theta_l`` opened and sealed in host
+    memory. The released layers the REE keeps (:attr:`frozen`, :meth:`trained_model`) and the server's
+    enclave stay on the CPU (module docstring, "Emulated TEEs").
     """
 
     def __init__(
@@ -563,7 +583,7 @@ class PpflClients:
         device: str | torch.device = "cpu",
     ) -> None:
         self.device = resolve_device(device)
-        self._inputs: dict[tuple[ClientId, str], torch.Tensor] = {}
+        self._arrays: dict[tuple[ClientId, str], torch.Tensor] = {}
         self._on_device: dict[ClientId, list[nn.Module]] = {}
         self.model = model
         self.batched = batched
@@ -582,7 +602,8 @@ class PpflClients:
             raise ConfigError(f"evaluators {sorted(unknown)} are not users of the data set")
         sizes = dict(tee_bytes or {})
         self.tees = {
-            cid: ClientTee(sessions[cid], int(sizes.get(cid, HIKEY_TEE_BYTES))) for cid in data.user_ids
+            cid: ClientTee(sessions[cid], int(sizes.get(cid, HIKEY_TEE_BYTES)), self.device)
+            for cid in data.user_ids
         }
         self.rngs = {cid: client_rng(seed, i) for i, cid in enumerate(data.user_ids)}
         self.x_key, self.y_key = x_key, y_key
@@ -597,9 +618,10 @@ class PpflClients:
         return list(self.data.user_ids)
 
     def net(self, stage: int) -> StageNet:
-        """The stage's layers + classifier (architecture only; one module shared, used functionally)."""
+        """The stage's layers + classifier (architecture only; one module shared, used functionally), on
+        the device where the TEEs train it."""
         if stage not in self._nets:
-            self._nets[stage] = stage_net(self.model, self.stages[stage])
+            self._nets[stage] = stage_net(self.model, self.stages[stage]).to(self.device)
         return self._nets[stage]
 
     def handle_batch(self, msgs: Mapping[ClientId, object]) -> dict[ClientId, object]:
@@ -659,7 +681,7 @@ class PpflClients:
                 )
                 for i in range(len(first[1]))
             ]
-            p = torch.from_numpy(np.stack([prepared[c][3] for c in group]))
+            p = torch.from_numpy(np.stack([prepared[c][3] for c in group])).to(self.device)
             p, losses = local_train_cohort(
                 lambda q, t, y, f=flat: nn.functional.cross_entropy(f(q, t), y),
                 p,
@@ -705,7 +727,7 @@ class PpflClients:
             f"release of stage {m.stage}, expected {self.released[cid] + 1}",
         )
         net = self.net(m.stage)
-        layers = copy.deepcopy(net.layers)
+        layers = copy.deepcopy(net.layers).cpu()
         size = sum(p.numel() for p in layers.parameters())
         final = stage.index == len(self.stages) - 1
         withheld = final and not stage.classifier and m.weights.size == 0
@@ -724,7 +746,7 @@ class PpflClients:
         FlatModel(layers).load_into_module(np.asarray(m.weights[:size]))
         self.frozen[cid].extend(layers.eval().requires_grad_(False))
         if m.weights.size > size:
-            head = copy.deepcopy(net.classifier)
+            head = copy.deepcopy(net.classifier).cpu()
             FlatModel(head).load_into_module(np.asarray(m.weights[size:]))
             self.heads[cid] = head.eval().requires_grad_(False)
         return LayerReleased(m.stage)
@@ -762,16 +784,20 @@ class PpflClients:
         return nn.Sequential(*self.frozen[cid], self.heads[cid])
 
     def _activations(self, cid: ClientId, key: str) -> torch.Tensor:
-        """``T_{l-1}`` for all the client's examples: the frozen layers run in the REE, on the device;
-        the result is in host memory."""
-        if (cid, key) not in self._inputs:
-            x = torch.tensor(self.data.array(cid, key), dtype=torch.float32)
-            self._inputs[(cid, key)] = x.to(self.device)
-        x = self._inputs[(cid, key)]
+        """``T_{l-1}`` for all the client's examples: the frozen layers run in the REE, on the device,
+        where the result stays for the TEE."""
+        x = self._client_tensor(cid, key, torch.float32)
         with torch.no_grad():
             for unit in self._ree_units(cid):
                 x = unit(x)
-        return x.cpu()
+        return x
+
+    def _client_tensor(self, cid: ClientId, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """The client's array ``key`` as ``dtype`` on the device, moved there once."""
+        if (cid, key) not in self._arrays:
+            value = torch.tensor(self.data.array(cid, key), dtype=dtype)
+            self._arrays[(cid, key)] = value.to(self.device)
+        return self._arrays[(cid, key)]
 
     def _ree_units(self, cid: ClientId) -> list[nn.Module]:
         """The REE's frozen layers on the device: on the CPU those of :attr:`frozen` themselves, elsewhere
@@ -808,11 +834,11 @@ class PpflClients:
             f"epoch_decay {m.epoch_decay} not in (0, 1]",
         )
         t = self._activations(cid, self.x_key)
-        y = torch.tensor(self.data.array(cid, self.y_key), dtype=torch.int64)
+        y = self._client_tensor(cid, self.y_key, torch.int64)
         expect(len(t) == len(y) and len(t) > 0, f"device {cid} has {len(t)} inputs and {len(y)} labels")
         batches, rates = [], []
         for epoch in range(m.local_epochs):
-            order = torch.from_numpy(self.rngs[cid].permutation(len(t)))
+            order = torch.from_numpy(self.rngs[cid].permutation(len(t))).to(self.device)
             for s in range(0, len(t), m.batch_size):
                 idx = order[s : s + m.batch_size]
                 batches.append((t[idx], y[idx]))
@@ -827,7 +853,7 @@ class PpflClients:
         else:
             self._check_ready(cid, m.stage)
         t = self._activations(cid, self.x_key)
-        y = torch.tensor(self.data.array(cid, self.y_key), dtype=torch.int64)
+        y = self._client_tensor(cid, self.y_key, torch.int64)
         expect(len(t) == len(y) and len(t) > 0, f"device {cid} has {len(t)} inputs and {len(y)} labels")
         correct, loss_sum = self.tees[cid].evaluate(m.round, m.record, evaluated, t, y)
         return LayerEvalReply(m.round, m.stage, len(t), correct, loss_sum)
