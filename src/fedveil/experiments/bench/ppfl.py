@@ -66,7 +66,8 @@ def bench_ppfl(
     device: str = "cpu",
 ) -> dict[str, Any]:
     """Per stage: updates per second batched and one by one, phase seconds and the sealing share; the
-    REEs' frozen layers run on ``device`` (:func:`~fedveil.models.device.resolve_device`)."""
+    REEs' frozen layers and the emulated TEEs' training run on ``device``
+    (:func:`~fedveil.models.device.resolve_device`)."""
     for name, value in (("clients", clients), ("samples", samples), ("repeats", repeats)):
         if value < 1:
             raise ConfigError(f"{name} {value} must be >= 1")

@@ -125,8 +125,9 @@ class PpflRun:
     evaluation reaches E2E's final accuracy; the results give the rounds and bytes it took.
     ``model_init`` (:data:`fedveil.models.zoo.INITS`) is how both E2E's model and each PPFL stage (drawn
     inside the enclave) start: ``darknet`` is how PPFL's own implementation starts them. ``device``
-    (:func:`~fedveil.models.device.resolve_device`) is where the REEs run their frozen layers and E2E's
-    clients train; the TEEs and the server's enclave stay on the CPU."""
+    (:func:`~fedveil.models.device.resolve_device`) is where the REEs run their frozen layers, the
+    emulated client TEEs train their stage (:class:`~fedveil.protocols.ppfl.PpflClients`) and E2E's
+    clients train; the server's enclave stays on the CPU."""
 
     name: str = "ppfl"
     data: str = "fashion-mnist"
