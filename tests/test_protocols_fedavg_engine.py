@@ -240,3 +240,98 @@ def test_one_absurd_upload_is_a_dropout_and_training_goes_on(bound) -> None:
     assert all(not np.array_equal(a, b) for a, b in itertools.pairwise(weights))
     with pytest.raises(ConfigError, match="max_upload_norm"):
         replace(CFG, max_upload_norm=0.0)
+
+
+class _FoldSpy:
+    """The simulation as a Communicator, recording each upload the engine's fold takes in and what each
+    request returned."""
+
+    def __init__(self, runtime: SimulationRuntime) -> None:
+        self.runtime = runtime
+        self.uploads: dict[str, np.ndarray] = {}
+        self.returned: list[dict] = []
+
+    def available(self):
+        return self.runtime.available()
+
+    def stats(self):
+        return self.runtime.stats()
+
+    async def request(self, msgs, *, fold=None, **kwargs):
+        def spy(cid, msg):
+            self.uploads[cid] = np.array(msg.weights)
+            return fold(cid, msg)
+
+        replies = await self.runtime.request(msgs, fold=None if fold is None else spy, **kwargs)
+        self.returned.append(replies)
+        return replies
+
+
+def _one_round(aggregate, spy: bool):
+    torch.manual_seed(0)
+    flat = FlatModel(Tiny())
+    data, _, _ = _data()
+    initial = flat.initial()
+    pool = ModelClients(flat, data, optimizer=CFG.optimizer, seed=4, initial=initial)
+    comm = SimulationRuntime(pool, rng=np.random.default_rng(2))
+    comm = _FoldSpy(comm) if spy else comm
+    server = ModelServer(CFG, flat, np.random.default_rng(1), initial=initial, aggregate=aggregate)
+    server.setup(comm)
+    report = asyncio.run(server.run_round(1, comm))
+    return server, report, comm
+
+
+def test_the_default_aggregate_folds_each_upload_and_the_runtime_keeps_no_weights() -> None:
+    """With :func:`fedavg_aggregate` the engine hands the runtime a fold: what the request returns holds
+    no weights, and the model is the uploads' weighted mean within :class:`FedAvgSum`'s stated tolerance
+    of the all-at-once hook (a custom aggregate, which keeps receiving every upload); the round's loss
+    is the same number."""
+    folded, report, spy = _one_round(fedavg_aggregate, spy=True)
+    (returned,) = spy.returned
+    assert len(returned) == CFG.clients_per_round == len(spy.uploads)
+    assert all(
+        isinstance(r, FitResult) and r.weights is None and r.num_samples > 0 for r in returned.values()
+    )
+    assert all(r.loss is not None for r in returned.values())
+
+    held, held_report, _ = _one_round(
+        lambda rnd, results, current: fedavg_aggregate(rnd, results, current), False
+    )
+    counts = {c: r.num_samples for c, r in returned.items()}
+    n = sum(counts.values())
+    magnitude = sum(counts[c] / n * np.abs(spy.uploads[c].astype(np.float64)) for c in counts)
+    ulp = np.spacing(np.maximum(np.abs(folded.weights), np.abs(held.weights)))
+    assert np.all(np.abs(folded.weights.astype(np.float64) - held.weights) <= ulp + 2.0**-23 * magnitude)
+    expected = sum(counts[c] * spy.uploads[c].astype(np.float64) for c in counts) / n
+    assert np.all(np.abs(folded.weights - expected) <= 0.5 * ulp + 1e-12 * magnitude)
+    assert report.loss == held_report.loss and report.applied and report.participants == CFG.clients_per_round
+
+
+class _NoFold:
+    """A Communicator that ignores ``fold`` (drops it) and returns the replies themselves."""
+
+    def __init__(self, runtime: SimulationRuntime) -> None:
+        self.runtime = runtime
+
+    def available(self):
+        return self.runtime.available()
+
+    def stats(self):
+        return self.runtime.stats()
+
+    async def request(self, msgs, *, fold=None, **kwargs):
+        return await self.runtime.request(msgs, **kwargs)
+
+
+def test_a_communicator_that_ignores_the_fold_is_refused_by_name() -> None:
+    torch.manual_seed(0)
+    flat = FlatModel(Tiny())
+    data, _, _ = _data()
+    pool = ModelClients(flat, data, optimizer=CFG.optimizer, seed=4, initial=flat.initial())
+    comm = _NoFold(SimulationRuntime(pool, rng=np.random.default_rng(2)))
+    server = ModelServer(CFG, flat, np.random.default_rng(1), initial=flat.initial())
+    server.setup(comm)
+    with pytest.raises(
+        ConfigError, match="returned 4 replies but folded 0: a Communicator must pass each reply"
+    ):
+        asyncio.run(server.run_round(1, comm))

@@ -430,3 +430,48 @@ def test_a_busy_server_does_not_take_unread_heartbeats_for_silence(pki: Path) ->
         assert (await agents) == {"b": "finished"}
 
     _run(go())
+
+
+def test_fold_takes_each_valid_reply_as_it_arrives_and_invalid_ones_never(pki: Path) -> None:
+    """The fold sees replies in arrival order (``a`` computes longest), the request returns what it
+    kept in the order the devices were addressed, and a refused or invalid reply never reaches it."""
+    creds = _creds(pki, ["a", "b", "c", "d"])
+    quick = EchoPool(["b", "c", "d"], fail={"c"})
+    slow = EchoPool(["a"], sleep={"a": 0.4})
+    folded: list[str] = []
+
+    def refuse_d(cid: str, msg: Pong) -> None:
+        if cid == "d":
+            raise ValidationError("not d")
+
+    def strip(cid: str, msg: Pong) -> tuple[str, float]:
+        folded.append(cid)
+        return ("folded", msg.total)
+
+    async def go() -> None:
+        runtime, address = await _serve(pki)
+        agents = asyncio.gather(
+            _host(address, {n: creds[n] for n in ("b", "c", "d")}, quick).run(),
+            _host(address, {"a": creds["a"]}, slow).run(),
+        )
+        await runtime.wait_for_devices(4, 10)
+        replies = await runtime.request(
+            {n: Ping(1, np.ones(3, np.float32)) for n in ["a", "b", "c", "d"]},
+            phase="p",
+            min_replies=4,
+            timeout=5,
+            expected=Pong,
+            validate=refuse_d,
+            fold=strip,
+        )
+        assert folded == ["b", "a"]
+        assert list(replies.items()) == [("a", ("folded", 3.0)), ("b", ("folded", 3.0))]
+        reasons = {d.client: d.reason for d in runtime.stats().dropouts}
+        assert reasons == {
+            "c": "invalid reply: client raised ValidationError: this device refuses",
+            "d": "invalid reply: not d",
+        }
+        await runtime.close()
+        await agents
+
+    _run(go())

@@ -269,3 +269,64 @@ def test_deferred_replies_are_built_as_the_runtime_takes_each_up() -> None:
     ]
     np.testing.assert_array_equal(replies["c3"].value, [0, 2, 4])
     assert [d.client for d in rt.stats().dropouts] == ["c2"]
+
+
+def test_fold_takes_each_valid_reply_in_addressed_order_and_the_request_keeps_what_it_returns() -> None:
+    """Replies arrive in the order of their sampled latencies, but the fold sees the valid ones in the
+    order the clients were addressed; an undecodable reply, one of the wrong type and one that fails
+    validation never reach it."""
+    pool = EchoPool(7, bad={"c1": b"garbage bytes", "c3": Ping(1, np.zeros(1, np.float32))})
+    rt = SimulationRuntime(
+        pool, rng=np.random.default_rng(3), default=PhaseFaults(latency=LatencyModel("uniform", 0.5, 0.4))
+    )
+    folded: list[str] = []
+
+    def refuse_c4(cid: str, msg: Pong) -> None:
+        if cid == "c4":
+            raise ValidationError("not c4")
+
+    def strip(cid: str, msg: Pong) -> tuple[str, int]:
+        folded.append(cid)
+        return ("folded", msg.round)
+
+    replies = _run(
+        rt.request(
+            {c: Ping(1, np.ones(3, np.float32)) for c in pool.ids},
+            phase="p",
+            min_replies=7,
+            timeout=1.0,
+            expected=Pong,
+            validate=refuse_c4,
+            fold=strip,
+        )
+    )
+    (arrivals,) = pool.calls
+    assert arrivals != sorted(arrivals), "the latencies must reorder the arrivals for this test to mean it"
+    assert folded == ["c0", "c2", "c5", "c6"]
+    assert replies == {c: ("folded", 1) for c in folded}
+    assert list(replies) == [c for c in arrivals if c in folded], "returned in arrival order, as without fold"
+    assert {d.client for d in rt.stats().dropouts} == {"c1", "c3", "c4"}
+
+
+def test_a_reply_the_fold_refuses_is_a_dropout_and_the_next_arrival_replaces_it() -> None:
+    pool = EchoPool(4)
+    rt = SimulationRuntime(pool, rng=np.random.default_rng(0))
+
+    def refuse_c0(cid: str, msg: Pong) -> Pong:
+        if cid == "c0":
+            raise ValidationError("c0's upload has NaN entries")
+        return msg
+
+    replies = _run(
+        rt.request(
+            {c: Ping(1, np.zeros(2, np.float32)) for c in pool.ids},
+            phase="p",
+            min_replies=3,
+            timeout=1.0,
+            expected=Pong,
+            fold=refuse_c0,
+        )
+    )
+    assert list(replies) == ["c1", "c2", "c3"] and pool.calls == [["c0", "c1", "c2"], ["c3"]]
+    (drop,) = rt.stats().dropouts
+    assert drop.client == "c0" and drop.reason == "invalid reply: c0's upload has NaN entries"

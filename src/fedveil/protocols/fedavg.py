@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 from fedveil.core import codec
-from fedveil.core.aggregation import weighted_average
-from fedveil.core.communicator import ClientId, Communicator
+from fedveil.core.aggregation import FedAvgSum, weighted_average
+from fedveil.core.communicator import ClientId, Communicator, Fold
 from fedveil.data.federated import FederatedDataset
 from fedveil.enclave.aggregate import DEFAULT_MAX_UPLOAD_NORM, check_max_upload_norm, check_upload
 from fedveil.enclave.secure_noise import SecureNoise
@@ -110,6 +110,11 @@ class FitResult:
     record: bytes | None = None
 
 
+def _fit_result(msg: Any, weights: np.ndarray | None) -> FitResult:
+    """The :class:`FitResult` of a validated reply, with ``weights`` (``None``: folded, or sealed)."""
+    return FitResult(weights, int(msg.num_samples), getattr(msg, "loss", None), getattr(msg, "record", None))
+
+
 Select = Callable[[int, np.random.Generator, Sequence[ClientId]], list[ClientId]]
 Configure = Callable[[int, Sequence[ClientId], np.ndarray], dict[ClientId, object]]
 Aggregate = Callable[[int, Mapping[ClientId, FitResult], Any], Any]
@@ -118,7 +123,12 @@ ReplyCheck = Callable[[ClientId, Any], None]
 
 def fedavg_aggregate(rnd: int, results: Mapping[ClientId, FitResult], current: np.ndarray) -> np.ndarray:
     """FedAvg (McMahan et al. 2017, Alg. 1): ``sum_k (n_k / n) w_k`` over the uploads, on as many threads
-    as torch has (``runtime.threads``; the same bits on any number)."""
+    as torch has (``runtime.threads``; the same bits on any number).
+
+    :class:`FedAvgEngine` with this hook does not call it: it folds each upload into a
+    :class:`~fedveil.core.aggregation.FedAvgSum` as the runtime accepts it, the same mean within the
+    tolerance stated there (one or two float32 ulps where the uploads share a sign), without holding the
+    uploads; called directly (FedUV's server does), it averages uploads held all at once."""
     return weighted_average(
         {c: r.weights for c, r in results.items()},
         {c: float(r.num_samples) for c, r in results.items()},
@@ -159,7 +169,9 @@ class FedAvgEngine:
     weights it was sent has an L2 norm above ``max_upload_norm`` is refused, a dropout with its reason
     (:func:`~fedveil.enclave.aggregate.check_upload`, the check FDML applies to local gradients; the
     default bound is far above any honest update), so no single client can swamp the average. A round
-    with fewer than ``min_replies`` valid replies leaves the model unchanged.
+    with fewer than ``min_replies`` valid replies leaves the model unchanged. With the default ``aggregate``
+    (:func:`fedavg_aggregate`) each valid upload is folded into a running sum as the runtime accepts it
+    (``Communicator.request``'s ``fold``), so no runtime holds the cohort's weights until the last arrived.
 
     ``weights=None`` is a model the server's host never holds (PPFL's layer in training lives in the
     server's enclave): ``configure`` then seals it to the cohort, replies carry an opaque ``record``
@@ -208,6 +220,20 @@ class FedAvgEngine:
         self.phase = phase
         self.max_upload_norm = check_max_upload_norm(max_upload_norm)
 
+    def _fold(self, shape: tuple[int, ...] | None) -> tuple[FedAvgSum | None, Fold | None]:
+        """With the default aggregate, a running sum and the fold that adds each accepted upload to it and
+        keeps the upload's :class:`FitResult` without weights; otherwise neither (the hook gets the
+        uploads)."""
+        if shape is None or self.aggregate is not fedavg_aggregate:
+            return None, None
+        total = FedAvgSum(shape)
+
+        def fold(cid: ClientId, msg: Any) -> FitResult:
+            total.add(cid, np.asarray(msg.weights), int(msg.num_samples))
+            return _fit_result(msg, None)
+
+        return total, fold
+
     def _held(self) -> np.ndarray:
         if self.current is None:
             raise ConfigError("this engine's model is held in an enclave; the host has no weights")
@@ -252,6 +278,7 @@ class FedAvgEngine:
             if self.check is not None:
                 self.check(cid, msg)
 
+        total, fold = self._fold(shape)
         replies = await comm.request(
             msgs,
             phase=self.phase,
@@ -259,25 +286,32 @@ class FedAvgEngine:
             timeout=self.timeout,
             expected=self.reply_type,
             validate=check,
+            fold=fold,
         )
         applied = len(replies) >= self.min_replies
         loss = None
         if applied:
-            results = {
-                c: FitResult(
-                    None if shape is None else np.asarray(m.weights),
-                    int(m.num_samples),
-                    getattr(m, "loss", None),
-                    getattr(m, "record", None),
+            if total is None:
+                held = shape is not None
+                results = {
+                    c: _fit_result(m, np.asarray(m.weights) if held else None) for c, m in replies.items()
+                }
+            elif total.count == len(replies):
+                results = replies
+            else:
+                raise ConfigError(
+                    f"the communicator returned {len(replies)} replies but folded {total.count}: a "
+                    "Communicator must pass each reply it returns through request()'s fold"
                 )
-                for c, m in replies.items()
-            }
             if shape is None:
                 self.aggregate(rnd, results, None)
                 report = RoundReport(rnd, applied, None, 1, len(msgs), len(replies))
                 return fill_traffic(report, before, comm.stats())
             current = self._uploaded()
-            new = np.asarray(self.aggregate(rnd, results, current), dtype=np.float32)
+            if total is not None:
+                new = total.result()
+            else:
+                new = np.asarray(self.aggregate(rnd, results, current), dtype=np.float32)
             if self.server_lr != 1.0:
                 new = (current + self.server_lr * (new - current)).astype(np.float32)
             if self.upload_index is None:

@@ -61,7 +61,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedveil.core import codec
-from fedveil.core.communicator import ClientId, CommStats, Dropout, Validator
+from fedveil.core.communicator import ClientId, CommStats, Dropout, Fold, Validator
 from fedveil.core.communicator import Message as FedveilMessage
 from fedveil.errors import CodecError, ConfigError, ValidationError
 from fedveil.runtime.quoting import platform_for
@@ -228,8 +228,11 @@ class FlowerRuntime:
         timeout: float,
         expected: type | tuple[type, ...],
         validate: Validator | None = None,
+        fold: Fold | None = None,
     ) -> dict[ClientId, FedveilMessage]:
-        """Send each client its message through its SuperNode and gather replies (Communicator)."""
+        """Send each client its message through its SuperNode and gather replies (Communicator): each
+        node's replies in the order of its clients, folded (``fold``) as they are accepted, until
+        ``min_replies`` are (those a node sent beyond are dropouts, late)."""
         if min_replies < 0:
             raise ConfigError(f"min_replies {min_replies} must be >= 0")
         unknown = [c for c in msgs if c not in self._node_of]
@@ -265,7 +268,7 @@ class FlowerRuntime:
                 for cid in asked:
                     self._drop(cid, phase, f"invalid reply from SuperNode {node}: {reply}")
             else:
-                self._receive(node, reply, asked, phase, expected, validate, valid)
+                self._receive(node, reply, asked, phase, (expected, validate, fold, min_replies), valid)
 
         def enough() -> bool:
             return 0 < min_replies <= len(valid)
@@ -278,13 +281,7 @@ class FlowerRuntime:
             if cid not in answered:
                 self._drop(cid, phase, late)
         self._stats.sim_seconds += time.monotonic() - started
-        ordered = {cid: valid[cid] for cid in msgs if cid in valid}
-        if min_replies and len(ordered) > min_replies:
-            keep = list(ordered)[:min_replies]
-            for cid in list(ordered)[min_replies:]:
-                self._drop(cid, phase, "late: round moved on without this reply")
-            ordered = {cid: ordered[cid] for cid in keep}
-        return ordered
+        return {cid: valid[cid] for cid in msgs if cid in valid}
 
     def _receive(
         self,
@@ -292,11 +289,12 @@ class FlowerRuntime:
         reply: ConfigRecord,
         asked: list[ClientId],
         phase: str,
-        expected: type | tuple[type, ...],
-        validate: Validator | None,
+        accept: tuple[type | tuple[type, ...], Validator | None, Fold | None, int],
         valid: dict[ClientId, FedveilMessage],
     ) -> None:
-        """Decode and validate one node's reply record into ``valid``; the rest are dropouts."""
+        """Decode, validate and fold one node's reply record into ``valid``; the rest are dropouts.
+        ``accept`` is the request's ``(expected, validate, fold, min_replies)``."""
+        expected, validate, fold, min_replies = accept
         try:
             if "error" in reply:
                 raise ValidationError(f"the node failed: {_field(reply, 'error', str)}")
@@ -318,6 +316,9 @@ class FlowerRuntime:
                 continue
             self._stats.bytes_up += len(payload)
             self._stats.messages_up += 1
+            if 0 < min_replies <= len(valid):
+                self._drop(cid, phase, "late: round moved on without this reply")
+                continue
             try:
                 if len(payload) > self.max_message_bytes:
                     raise ValidationError(
@@ -326,10 +327,9 @@ class FlowerRuntime:
                 msg = codec.decode(payload, max_bytes=self.max_message_bytes, expected=expected)
                 if validate is not None:
                     validate(cid, msg)
+                valid[cid] = msg if fold is None else fold(cid, msg)
             except (CodecError, ValidationError) as exc:
                 self._drop(cid, phase, f"invalid reply: {exc}")
-                continue
-            valid[cid] = msg
 
 
 def _record_of(reply: Message) -> ConfigRecord | str:

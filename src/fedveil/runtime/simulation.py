@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from fedveil.core import codec
-from fedveil.core.communicator import ClientId, CommStats, Deferred, Dropout, Message, Validator
+from fedveil.core.communicator import ClientId, CommStats, Deferred, Dropout, Fold, Message, Validator
 from fedveil.errors import CodecError, ConfigError, ValidationError
 
 log = logging.getLogger(__name__)
@@ -195,12 +195,16 @@ class SimulationRuntime:
         timeout: float,
         expected: type | tuple[type, ...],
         validate: Validator | None = None,
+        fold: Fold | None = None,
     ) -> dict[ClientId, Message]:
         """Deliver ``msgs`` and gather the earliest ``min_replies`` valid replies within ``timeout``.
 
         Clients whose reply would arrive after the return are not asked to compute it (their work
         would be thrown away); clients whose reply fails validation make room for the next arrival.
-        The virtual clock advances to the arrival of the last reply used, or by ``timeout``.
+        The virtual clock advances to the arrival of the last reply used, or by ``timeout``. Replies are
+        validated in arrival order; ``fold`` takes each batch of arrivals (one batch when every addressed
+        client is needed) in the order the clients were addressed, so what it sums does not depend on the
+        sampled latencies.
         """
         if min_replies < 0:
             raise ConfigError(f"min_replies {min_replies} must be >= 0")
@@ -232,13 +236,25 @@ class SimulationRuntime:
             pos += len(take)
             batch = {targets[i]: down[targets[i]] for i in take}
             results = self.pool.handle_batch(batch)
+            arrived: dict[int, float] = {}
             for i in take:
                 cid = targets[i]
                 try:
                     replies[cid] = self._receive_up(cid, results[cid], expected, validate)
-                    last_arrival = max(last_arrival, float(latency[i]))
+                    arrived[i] = float(latency[i])
                 except (CodecError, ValidationError) as exc:
                     self._drop(cid, phase, f"invalid reply: {exc}")
+            del results
+            for i in sorted(arrived):
+                cid = targets[i]
+                if fold is not None:
+                    try:
+                        replies[cid] = fold(cid, replies[cid])
+                    except ValidationError as exc:
+                        del replies[cid]
+                        self._drop(cid, phase, f"invalid reply: {exc}")
+                        continue
+                last_arrival = max(last_arrival, arrived[i])
         for i in queue[pos:]:
             self._drop(targets[i], phase, "late: round moved on without this reply")
         reached = len(replies) >= min_replies

@@ -36,7 +36,7 @@ import torch
 from fedveil.attacks.codeword import class_scores, codeword_attack, compare_codeword
 from fedveil.attacks.views import UpdateView
 from fedveil.core.atomic import atomic_write
-from fedveil.core.communicator import ClientId, CommStats, Communicator, Message, Validator
+from fedveil.core.communicator import ClientId, CommStats, Communicator, Fold, Message, Validator
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv
 from fedveil.errors import ConfigError
 from fedveil.experiments.feduv.runner import mnist_uv_net
@@ -87,15 +87,25 @@ class ServerTranscript:
         timeout: float,
         expected: type | tuple[type, ...],
         validate: Validator | None = None,
+        fold: Fold | None = None,
     ) -> dict[ClientId, Message]:
-        """Forward to ``inner``; keep every training reply beside the request it answers."""
-        replies = await self.inner.request(
-            msgs, phase=phase, min_replies=min_replies, timeout=timeout, expected=expected, validate=validate
-        )
-        for cid, reply in replies.items():
+        """Forward to ``inner``; keep every training reply beside the request it answers (as accepted,
+        before a ``fold`` sees it)."""
+
+        def keep(cid: ClientId, reply: Message) -> Message:
             if isinstance(reply, UvTrainReply) and isinstance(msgs[cid], UvTrainRequest):
                 self.rounds.setdefault(cid, []).append((msgs[cid], reply))
-        return replies
+            return reply if fold is None else fold(cid, reply)
+
+        return await self.inner.request(
+            msgs,
+            phase=phase,
+            min_replies=min_replies,
+            timeout=timeout,
+            expected=expected,
+            validate=validate,
+            fold=keep,
+        )
 
 
 def _server(method: str, train: UvTrainConfig, model: UvModel, seed: int, code_length: int) -> UvServer:

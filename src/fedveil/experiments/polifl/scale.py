@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from fedveil.core.communicator import ClientId, CommStats, DeviceTiming, Message, Validator
+from fedveil.core.communicator import ClientId, CommStats, DeviceTiming, Fold, Message, Validator
 from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.experiments.loopback import agent_processes, percentiles, throwaway_pki, wait_connected
@@ -334,6 +334,7 @@ class _TimedComm:
         timeout: float,
         expected: type | tuple[type, ...],
         validate: Validator | None = None,
+        fold: Fold | None = None,
     ) -> dict[ClientId, Message]:
         """The runtime's request, timed."""
         first, start = len(self.runtime.stats().timings), time.perf_counter()
@@ -345,6 +346,7 @@ class _TimedComm:
                 timeout=timeout,
                 expected=expected,
                 validate=validate,
+                fold=fold,
             )
         finally:
             self.requests.append(

@@ -43,7 +43,7 @@ import grpc
 import grpc.aio
 
 from fedveil.core import codec
-from fedveil.core.communicator import ClientId, CommStats, DeviceTiming, Dropout, Message, Validator
+from fedveil.core.communicator import ClientId, CommStats, DeviceTiming, Dropout, Fold, Message, Validator
 from fedveil.errors import CodecError, ConfigError, FedveilError, ValidationError
 from fedveil.runtime.network import certs, wire
 
@@ -285,10 +285,12 @@ class NetworkRuntime:
         timeout: float,
         expected: type | tuple[type, ...],
         validate: Validator | None = None,
+        fold: Fold | None = None,
     ) -> dict[ClientId, Message]:
         """Send ``msgs`` and gather the earliest ``min_replies`` valid replies within ``timeout`` real
         seconds. Replies are returned in the order the devices were addressed (so a run whose replies
-        all arrive matches the simulation's order); late ones are dropouts."""
+        all arrive matches the simulation's order); late ones are dropouts. ``fold`` takes each valid
+        reply as it arrives (its time counts in TTP), and the request keeps what it returns instead."""
         if min_replies < 0:
             raise ConfigError(f"min_replies {min_replies} must be >= 0")
         loop = asyncio.get_running_loop()
@@ -330,7 +332,7 @@ class NetworkRuntime:
                 for fut in done:
                     key = pending.pop(fut)
                     waiting = self._waiting.pop(key)
-                    msg = self._accept(waiting, fut, expected, validate)
+                    msg = self._accept(waiting, fut, expected, validate, fold)
                     if msg is not None:
                         replies[waiting.device] = msg
         finally:
@@ -352,8 +354,9 @@ class NetworkRuntime:
         fut: asyncio.Future[tuple[wire.AgentReply, float]],
         expected: type | tuple[type, ...],
         validate: Validator | None,
+        fold: Fold | None,
     ) -> Message | None:
-        """Decode and validate one arrived reply; a dropout (and ``None``) if it does not count."""
+        """Decode, validate and fold one arrived reply; a dropout (and ``None``) if it does not count."""
         cid, phase = waiting.device, waiting.phase
         exc = fut.exception()
         if exc is not None:
@@ -373,6 +376,8 @@ class NetworkRuntime:
             msg = codec.decode(reply.payload, max_bytes=self.max_message_bytes, expected=expected)
             if validate is not None:
                 validate(cid, msg)
+            if fold is not None:
+                msg = fold(cid, msg)
         except (CodecError, ValidationError) as err:
             self._drop(cid, phase, f"invalid reply: {err}")
             msg = None
