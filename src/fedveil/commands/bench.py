@@ -676,6 +676,7 @@ def _run_network(args: argparse.Namespace) -> int:
             f"(server overhead {row['server_overhead_seconds_median']:.2f} s; "
             f"simulation {row['simulation_round_seconds_median']:.2f} s), TTD p50 {row['ttd']['p50']:.3f} s, "
             f"TTR p50 {row['ttr']['p50']:.3f} s, TTP p50 {1e3 * row['ttp']['p50']:.2f} ms, "
+            f"server {row['server_cpu_seconds_per_round']:.2f} CPU-s per round, "
             f"server peak RSS {row['server_peak_rss_bytes'] / 2**20:.0f} MiB"
         )
     return 0

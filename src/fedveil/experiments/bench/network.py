@@ -4,14 +4,17 @@ selected.
 The server is a :class:`~fedveil.runtime.network.server.NetworkRuntime` with mutual TLS (a throw-away
 PKI, one certificate per device); the devices are spread over at most ``processes`` agent processes, each
 device on its own TLS connection. A round broadcasts the global weights (``BenchWeights``), each device
-returns its update (the weights plus a small seeded step) and the server averages them with
-:func:`fedveil.core.aggregation.weighted_average`. TTE is *simulated*, as PoliFL Sec. 5.4 does: devices
+returns its update (the weights plus a small seeded step) and the server folds each into a running
+:class:`fedveil.core.aggregation.FedAvgSum` as it arrives (``Communicator.request``'s ``fold``), so it holds
+no update beyond the one being added. TTE is *simulated*, as PoliFL Sec. 5.4 does: devices
 do no training, and ``tte_mean`` (default 0) adds a replayed on-device time. The same rounds run in the
 in-process simulation for comparison. Reported: agents, rounds, lost updates, per-phase latency
 percentiles (TTD, TTE, TTR, TTP), the per-round wall time and server-side overhead (wall time minus the
 slowest device's TTE), the server process's CPU seconds per round (on one machine the agents compete with
 the server for the same cores, so this says what the server itself costs), server peak RSS (taken before
-the simulation part runs), and the simulation's per-round time.
+the simulation part runs; the server process keeps freed memory in its heap,
+:func:`fedveil.core.heap.retain_freed_memory`, so each round reuses the last round's pages), and the
+simulation's per-round time.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from fedveil.core.aggregation import weighted_average
+from fedveil.core.aggregation import FedAvgSum
+from fedveil.core.heap import retain_freed_memory
 from fedveil.core.messages import array_field, message
 from fedveil.errors import ConfigError
 from fedveil.experiments.loopback import agent_processes, percentiles, throwaway_pki, wait_connected
@@ -92,12 +96,21 @@ async def _rounds(
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         msg = BenchWeights(rnd, weights)
+        total = FedAvgSum(weights.shape)
+
+        def fold(cid: str, update: BenchUpdate, total: FedAvgSum = total) -> int:
+            total.add(cid, update.weights, update.num_samples)
+            return update.num_samples
+
         replies = await comm.request(
-            {c: msg for c in ids}, phase="train", min_replies=len(ids), timeout=timeout, expected=BenchUpdate
+            {c: msg for c in ids},
+            phase="train",
+            min_replies=len(ids),
+            timeout=timeout,
+            expected=BenchUpdate,
+            fold=fold,
         )
-        weights = weighted_average(
-            {c: m.weights for c, m in replies.items()}, {c: float(m.num_samples) for c, m in replies.items()}
-        )
+        weights = total.result()
         walls.append(time.perf_counter() - t0)
         lost += len(ids) - len(replies)
         ttes = [t.tte for t in comm.stats().timings[-len(replies) :] if t.tte is not None] if replies else []
@@ -127,6 +140,7 @@ def bench_network(
     if model_bytes < 4:
         raise ConfigError(f"model_bytes {model_bytes} must be >= 4")
     processes = min(processes, agents)
+    retain_freed_memory()
     ids = device_names(agents)
     weights = np.zeros(model_bytes // 4, dtype=np.float32)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
