@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import math
 import numbers
@@ -311,23 +310,15 @@ def train_fedavg(
     rounding, not bit for bit (other kernels).
     """
     import torch
-    from tqdm import tqdm
 
     from fedveil.data.federated import FederatedDataset
+    from fedveil.experiments.fedavg_images import run_fedavg
     from fedveil.models.flat import FlatModel
     from fedveil.privacy.accounting import check_delta
     from fedveil.privacy.groups import GroupLedger
-    from fedveil.protocols.fedavg import (
-        ClipAndNoise,
-        ImageFedAvgConfig,
-        ModelClients,
-        ModelServer,
-        ParameterPlan,
-        fedavg_aggregate,
-    )
+    from fedveil.protocols.fedavg import ClipAndNoise, ImageFedAvgConfig, fedavg_aggregate
     from fedveil.protocols.local import LocalOptimizer
     from fedveil.protocols.polifl import DP_MODES, DPAggregate
-    from fedveil.runtime.simulation import SimulationRuntime
 
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -369,10 +360,7 @@ def train_fedavg(
         raise ConfigError("test must be a pair (x, y) of equally long, non-empty arrays of inputs and labels")
     _check_data(model, dataset)
 
-    module = copy.deepcopy(model)
-    flat = FlatModel(module)
-    plan = ParameterPlan(flat)
-    initial = flat.initial()
+    flat = FlatModel(copy.deepcopy(model))
     m, n = clients_per_round, len(dataset)
     sigma = 0.0 if noise_multiplier is None else noise_multiplier * float(clip_norm or 0.0)
     transform = None
@@ -391,55 +379,39 @@ def train_fedavg(
         local_epochs=local_epochs,
         batch_size=batch_size,
         optimizer=LocalOptimizer(lr=lr),
-        eval_every=0,
+        eval_every=1,
     )
     recorded = None
     if observe:
         recorded = ServerUploads(model, lr=lr, local_epochs=local_epochs, batch_size=batch_size)
         aggregate = recorded.wrap(aggregate)
-    ledger = None
-    if noise_multiplier is not None:
-        assert delta is not None
-        ledger = GroupLedger(["clients"], delta=delta)
 
-    history: list[dict[str, Any]] = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        pool = ModelClients(
+        trained_run = run_fedavg(
             flat,
             dataset,
-            optimizer=cfg.optimizer,
+            cfg,
+            rounds=rounds,
             seed=seed,
-            plan=plan,
-            initial=initial,
+            runtime_rng=np.random.default_rng(streams[0]),
+            server_rng=np.random.default_rng(streams[1]),
             transform=transform,
+            aggregate=aggregate,
             device=device,
+            test=test,
+            progress=progress,
         )
-        runtime = SimulationRuntime(pool, rng=np.random.default_rng(streams[0]))
-        server = ModelServer(
-            cfg, flat, np.random.default_rng(streams[1]), plan=plan, initial=initial, aggregate=aggregate
-        )
-        server.setup(runtime)
-
-        async def go() -> None:
-            bar = tqdm(range(1, rounds + 1), desc="FedAvg", disable=not progress)
-            for rnd in bar:
-                line = (await server.run_round(rnd, runtime)).as_dict()
-                if ledger is not None:
-                    ledger.record(["clients"], z=noise_multiplier, q=m / n)
-                if test is not None:
-                    line.update({f"test_{k}": v for k, v in server.evaluate(*test).items()})
-                history.append(line)
-
-        asyncio.run(go())
-        weights = server.full_weights()
+        weights = trained_run.server.full_weights()
 
     trained = copy.deepcopy(model)
     FlatModel(trained).load_into_module(weights)
     state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
     privacy = None
-    if ledger is not None:
-        assert noise_multiplier is not None and clip_norm is not None and delta is not None
+    if noise_multiplier is not None:
+        assert clip_norm is not None and delta is not None
+        whole = GroupLedger(["clients"], delta=delta)
+        whole.record(["clients"], z=noise_multiplier, q=m / n, rounds=rounds)
         one = GroupLedger(["clients"], delta=delta)
         one.record(["clients"], z=noise_multiplier, q=m / n)
         privacy = FedAvgPrivacy(
@@ -452,8 +424,8 @@ def train_fedavg(
             sampling_rate=m / n,
             rounds=rounds,
             delta=delta,
-            epsilon=ledger.epsilon("clients"),
+            epsilon=whole.epsilon("clients"),
             epsilon_round=one.epsilon("clients"),
-            accountant=ledger.method_for(ledger.segments("clients")),
+            accountant=whole.method_for(whole.segments("clients")),
         )
-    return FedAvgResult(state, history, privacy, recorded)
+    return FedAvgResult(state, trained_run.history, privacy, recorded)

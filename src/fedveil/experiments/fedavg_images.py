@@ -1,8 +1,10 @@
 """Image FedAvg experiments on the engine: data set, partition, model zoo, rounds with evaluation.
 
 :func:`train_fedavg` is what the attack experiments train their target on (an undefended FedAvg model on
-Fashion-MNIST, overfit enough to leak), and what later systems (PPFL, AIoT, PoliFL) start from. Every
-message goes through the simulation runtime and the codec, so an observer's tap sees the real bytes.
+Fashion-MNIST, overfit enough to leak), and what later systems (PPFL, AIoT, PoliFL) start from. Its
+rounds, like those of the public :func:`fedveil.train_fedavg`, run in :func:`run_fedavg`, the one round
+loop (progress, evaluation, checkpoints) over the engine. Every message goes through the simulation
+runtime and the codec, so an observer's tap sees the real bytes.
 """
 
 from __future__ import annotations
@@ -25,10 +27,26 @@ from fedveil.models.device import check_device_spec
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import INITS, build_model
 from fedveil.protocols.common import pool_rng_states, restore_pool_rngs
-from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer, ParameterPlan
+from fedveil.protocols.fedavg import (
+    Aggregate,
+    ImageFedAvgConfig,
+    ModelClients,
+    ModelServer,
+    ParameterPlan,
+    UpdateTransform,
+    fedavg_aggregate,
+)
 from fedveil.runtime.simulation import SimulationRuntime
 
-__all__ = ["FedAvgRun", "ImageSplit", "TrainedFedAvg", "split_images", "train_fedavg"]
+__all__ = [
+    "FedAvgRun",
+    "FedAvgTraining",
+    "ImageSplit",
+    "TrainedFedAvg",
+    "run_fedavg",
+    "split_images",
+    "train_fedavg",
+]
 
 
 @dataclass(frozen=True)
@@ -128,56 +146,69 @@ def split_images(run: FedAvgRun, *, avoid: np.ndarray | None = None) -> ImageSpl
     return ImageSplit(train, members, non_members, test, data, member_index, non_member_index)
 
 
-def train_fedavg(
-    run: FedAvgRun,
+@dataclass
+class FedAvgTraining:
+    """What :func:`run_fedavg` trained: the ``server`` (global model), the client ``pool``, the simulated
+    ``runtime`` and one ``history`` line per round (the engine's ``RoundReport.as_dict()``, plus
+    ``test_accuracy`` and ``test_loss`` where the round was evaluated)."""
+
+    server: ModelServer
+    pool: ModelClients
+    runtime: SimulationRuntime
+    history: list[dict[str, Any]]
+
+
+def run_fedavg(
+    flat: FlatModel,
+    data: FederatedDataset,
+    cfg: ImageFedAvgConfig,
     *,
+    rounds: int,
+    seed: int,
+    runtime_rng: np.random.Generator,
+    server_rng: np.random.Generator,
+    plan: ParameterPlan | None = None,
+    transform: UpdateTransform | None = None,
+    aggregate: Aggregate = fedavg_aggregate,
+    batched: bool | None = None,
+    device: str = "auto",
+    test: tuple[np.ndarray, np.ndarray] | None = None,
     tap: Callable[[str, bytes], None] | None = None,
-    progress: bool = True,
-    plan: Callable[[FlatModel], ParameterPlan] | None = None,
-    avoid: np.ndarray | None = None,
-    split: ImageSplit | None = None,
     on_round: Callable[[Checkpoint], None] | None = None,
     resume: Checkpoint | None = None,
-) -> TrainedFedAvg:
-    """Train ``run`` in simulation and return the model, data splits and evaluation history.
+    progress: bool = True,
+    desc: str = "FedAvg",
+) -> FedAvgTraining:
+    """The one FedAvg round loop: ``rounds`` rounds of the engine on ``flat``'s model over ``data``'s
+    clients in the in-process simulation, every message through the codec.
 
-    ``avoid`` lists training-split indices that must be neither members nor non-members (a control model
-    trained on data disjoint from another run's candidates, :attr:`TrainedFedAvg.candidate_index`);
-    ``split`` is the data already split by :func:`split_images` for ``run`` (not loaded again).
-    ``on_round`` receives the state after each round (:meth:`ModelServer.state_dict`, the generators of
-    the devices, the simulated network and torch, and the history so far); ``resume``, such a state, goes
-    on after its round as the uninterrupted run would.
+    The clients (:class:`ModelClients`: ``seed`` seeds their shuffling, ``transform`` their update
+    before upload, ``batched`` and ``device`` how they train) start from ``flat``'s current values, of
+    which ``plan`` says what is shared; the simulated network draws from ``runtime_rng`` and hands every
+    message's bytes to ``tap``; the server (:class:`ModelServer`, ``aggregate`` its aggregation hook)
+    selects with ``server_rng``. ``test`` ``(x, y)`` is evaluated every ``cfg.eval_every`` rounds and
+    after the last (never when ``eval_every`` is 0). ``on_round`` receives the state after each round (the
+    server's :meth:`ModelServer.state_dict`, the generators of the devices, the simulated network and
+    torch, and the history so far); ``resume``, such a state, goes on after its round as the
+    uninterrupted run would. torch's global generator is the caller's to seed.
     """
-    split = split_images(run, avoid=avoid) if split is None else split
-    members, non_members, test, data = split.members, split.non_members, split.test, split.data
-    member_index, non_member_index, train = split.member_index, split.non_member_index, split.train
-    torch.manual_seed(run.seed)
-    module = build_model(
-        run.model,
-        num_classes=members.num_classes,
-        in_channels=members.image_shape[0],
-        image_size=members.image_shape[1],
-        seed=run.seed,
-        init=run.model_init,
-    )
-    flat = FlatModel(module)
-    chosen = plan(flat) if plan is not None else ParameterPlan(flat)
+    chosen = plan if plan is not None else ParameterPlan(flat)
     initial = flat.initial()
     pool = ModelClients(
         flat,
         data,
-        optimizer=run.fedavg.optimizer,
-        seed=run.seed,
+        optimizer=cfg.optimizer,
+        seed=seed,
         plan=chosen,
         initial=initial,
-        batched=run.batched,
-        device=run.device,
+        transform=transform,
+        batched=batched,
+        device=device,
     )
-    runtime = SimulationRuntime(pool, rng=np.random.default_rng(run.seed + 1), tap=tap)
-    server = ModelServer(run.fedavg, flat, np.random.default_rng(run.seed + 2), plan=chosen, initial=initial)
+    runtime = SimulationRuntime(pool, rng=runtime_rng, tap=tap)
+    server = ModelServer(cfg, flat, server_rng, plan=chosen, initial=initial, aggregate=aggregate)
     server.setup(runtime)
     history: list[dict[str, Any]] = []
-    every = run.fedavg.eval_every
     first = 1
     if resume is not None:
         try:
@@ -191,16 +222,14 @@ def train_fedavg(
                 f"the FedAvg checkpoint of round {resume.round} does not fit this run: {exc!r}"
             ) from exc
         first = resume.round + 1
+    every = cfg.eval_every
 
     async def go() -> None:
-        bar = tqdm(
-            range(first, run.rounds + 1), desc=f"FedAvg {run.model} on {train.name}", disable=not progress
-        )
+        bar = tqdm(range(first, rounds + 1), desc=desc, disable=not progress)
         for rnd in bar:
-            report = await server.run_round(rnd, runtime)
-            line = report.as_dict()
-            if every and (rnd % every == 0 or rnd == run.rounds):
-                line.update({f"test_{k}": v for k, v in server.evaluate(test.x, test.y).items()})
+            line = (await server.run_round(rnd, runtime)).as_dict()
+            if test is not None and every and (rnd % every == 0 or rnd == rounds):
+                line.update({f"test_{k}": v for k, v in server.evaluate(*test).items()})
                 bar.set_postfix(acc=f"{line['test_accuracy']:.3f}")
             history.append(line)
             if on_round is not None:
@@ -210,11 +239,70 @@ def train_fedavg(
                     "pool": pool_rng_states(pool),
                     "runtime": runtime.rng.bit_generator.state,
                     "torch": torch.get_rng_state().tolist(),
-                    "history": history,
+                    "history": list(history),
                 }
                 on_round(Checkpoint(rnd, arrays, state))
 
     asyncio.run(go())
+    return FedAvgTraining(server, pool, runtime, history)
+
+
+def train_fedavg(
+    run: FedAvgRun,
+    *,
+    tap: Callable[[str, bytes], None] | None = None,
+    progress: bool = True,
+    plan: Callable[[FlatModel], ParameterPlan] | None = None,
+    avoid: np.ndarray | None = None,
+    split: ImageSplit | None = None,
+    on_round: Callable[[Checkpoint], None] | None = None,
+    resume: Checkpoint | None = None,
+) -> TrainedFedAvg:
+    """Train ``run`` in simulation (:func:`run_fedavg`) and return the model, data splits and evaluation
+    history.
+
+    ``avoid`` lists training-split indices that must be neither members nor non-members (a control model
+    trained on data disjoint from another run's candidates, :attr:`TrainedFedAvg.candidate_index`);
+    ``split`` is the data already split by :func:`split_images` for ``run`` (not loaded again).
+    ``on_round`` and ``resume`` checkpoint and continue the run as :func:`run_fedavg` says.
+    """
+    split = split_images(run, avoid=avoid) if split is None else split
+    members, test = split.members, split.test
+    torch.manual_seed(run.seed)
+    module = build_model(
+        run.model,
+        num_classes=members.num_classes,
+        in_channels=members.image_shape[0],
+        image_size=members.image_shape[1],
+        seed=run.seed,
+        init=run.model_init,
+    )
+    flat = FlatModel(module)
+    trained = run_fedavg(
+        flat,
+        split.data,
+        run.fedavg,
+        rounds=run.rounds,
+        seed=run.seed,
+        runtime_rng=np.random.default_rng(run.seed + 1),
+        server_rng=np.random.default_rng(run.seed + 2),
+        plan=plan(flat) if plan is not None else None,
+        batched=run.batched,
+        device=run.device,
+        test=(test.x, test.y),
+        tap=tap,
+        on_round=on_round,
+        resume=resume,
+        progress=progress,
+        desc=f"FedAvg {run.model} on {split.train.name}",
+    )
     return TrainedFedAvg(
-        run, server, flat, members, non_members, test, history, np.r_[member_index, non_member_index]
+        run,
+        trained.server,
+        flat,
+        members,
+        split.non_members,
+        test,
+        trained.history,
+        np.r_[split.member_index, split.non_member_index],
     )
