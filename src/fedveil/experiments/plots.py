@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedveil.eval.plots import method_colours, save_png
+
+if TYPE_CHECKING:
+    from fedveil.core.communicator import DeviceTiming
 
 FEW_POINTS = 3
 """A series with fewer points is drawn as markers alone: a line through two evaluations suggests a
@@ -226,18 +230,42 @@ def seed_curves_figure(
 
 TIMING_PARTS = ("ttd", "tte", "ttr", "ttp")
 
+TIMING_UNITS: dict[str, float] = {"s": 1.0, "ms": 1000.0}
+"""The units :func:`summarise_timings` reports in, by name: how many of them make one second."""
 
-def summarise_timings(timings: Sequence[object]) -> dict[str, float]:
-    """Median, 95th percentile and maximum of TTD / TTE / TTR / TTP (PoliFL Sec. 5, seconds) over one
-    round's per-device records (:class:`fedveil.core.communicator.DeviceTiming`), as flat
-    ``metrics.jsonl`` fields such as ``ttd_p50``."""
+
+def summarise_timings(
+    timings: Sequence[DeviceTiming], *, points: Sequence[int] = (50, 95), unit: str = "s"
+) -> dict[str, float]:
+    """The ``points`` percentiles and the maximum of TTD / TTE / TTR / TTP (PoliFL Sec. 5) over
+    per-device records (:class:`~fedveil.core.communicator.DeviceTiming`, whose times are seconds), as
+    flat fields: ``ttd_p50``, ``ttd_p95``, ``ttd_max`` in seconds by default (a round's
+    ``metrics.jsonl`` line), ``ttd_p50_ms`` ... with ``unit="ms"``. A measure no record carries is left
+    out."""
+    if unit not in TIMING_UNITS:
+        raise ValueError(f"unit {unit!r} is not one of {', '.join(TIMING_UNITS)}")
+    scale = TIMING_UNITS[unit]
+    suffix = "" if unit == "s" else f"_{unit}"
     out: dict[str, float] = {}
     for part in TIMING_PARTS:
         values = np.array([getattr(t, part) for t in timings if getattr(t, part) is not None], dtype=float)
         if values.size:
-            out[f"{part}_p50"] = float(np.percentile(values, 50))
-            out[f"{part}_p95"] = float(np.percentile(values, 95))
-            out[f"{part}_max"] = float(values.max())
+            values = values * scale
+            out.update({f"{part}_p{q}{suffix}": float(np.percentile(values, q)) for q in points})
+            out[f"{part}_max{suffix}"] = float(values.max())
+    return out
+
+
+def summarise_timings_by_phase(
+    timings: Sequence[DeviceTiming], *, points: Sequence[int] = (50, 90), unit: str = "ms"
+) -> dict[str, dict[str, float]]:
+    """Per phase (each record's ``phase``, sorted), the number of ``replies`` and
+    :func:`summarise_timings` of that phase's records, by default the 50th and 90th percentiles and the
+    maximum in milliseconds (``ttd_p50_ms``, ``ttd_p90_ms``, ``ttd_max_ms``, ...)."""
+    out: dict[str, dict[str, float]] = {}
+    for phase in sorted({t.phase for t in timings}):
+        rows = [t for t in timings if t.phase == phase]
+        out[phase] = {"replies": float(len(rows)), **summarise_timings(rows, points=points, unit=unit)}
     return out
 
 

@@ -36,17 +36,14 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import Engine
 
-from fedveil.core.communicator import DeviceTiming
 from fedveil.errors import ConfigError, FedveilError
 from fedveil.privacy.pairs import PolicyViolation
 from fedveil.privacy.policy import budget_of, parse
@@ -65,7 +62,6 @@ __all__ = [
     "Refused",
     "ensure_population",
     "population_values",
-    "timing_summary",
     "validate",
 ]
 
@@ -216,28 +212,6 @@ def _run_of(
         seed=population.seed,
         threads=1,
     )
-
-
-def timing_summary(timings: Sequence[DeviceTiming]) -> dict[str, dict[str, float]]:
-    """Per phase, the 50th/90th percentile and maximum of TTD, TTE, TTR and TTP in milliseconds, and the
-    number of replies (PoliFL Sec. 5's measures)."""
-    out: dict[str, dict[str, float]] = {}
-    for phase in sorted({t.phase for t in timings}):
-        rows = [t for t in timings if t.phase == phase]
-        entry: dict[str, float] = {"replies": float(len(rows))}
-        for name in ("ttd", "tte", "ttr", "ttp"):
-            values = np.array([getattr(t, name) for t in rows if getattr(t, name) is not None], dtype=float)
-            if values.size:
-                ms = values * 1000.0
-                entry.update(
-                    {
-                        f"{name}_p50_ms": float(np.percentile(ms, 50)),
-                        f"{name}_p90_ms": float(np.percentile(ms, 90)),
-                        f"{name}_max_ms": float(ms.max()),
-                    }
-                )
-        out[phase] = entry
-    return out
 
 
 def population_values(population: Population) -> dict[str, dict[str, Any]]:
@@ -492,6 +466,7 @@ class JobRunner:
 
     def run(self, job_id: int) -> None:
         """Run (or resume) one job to its end and record the outcome."""
+        from fedveil.experiments.plots import summarise_timings_by_phase
         from fedveil.experiments.polifl.runner import build_task, run_strategy
 
         with self.engine.connect() as conn:
@@ -553,7 +528,7 @@ class JobRunner:
             audit(self.engine, f"job {job_id}", "job failed", f"the server failed: {type(exc).__name__}")
             return
         outcome: dict[str, Any] = {
-            "timings_ms": timing_summary(timings) if timings else None,
+            "timings_ms": summarise_timings_by_phase(timings) if timings else None,
             "released": summary["released"],
             "reason": summary["stopped"],
             "rounds": summary["rounds"],
