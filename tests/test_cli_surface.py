@@ -159,6 +159,25 @@ def test_a_run_on_real_data_prints_no_banner(
     assert STAND_IN not in printed.out + printed.err
 
 
+@pytest.mark.parametrize("system", ["run", "demo", "feduv", "aiot"])
+def test_a_run_refused_for_its_used_directory_prints_the_refusal_alone(
+    system: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The commands that print the stand-in banner themselves check the run directory before it: a
+    refused run says why, and nothing else (no banner, no training)."""
+    _stub_runner(monkeypatch, system)
+    name, words, _, _ = RUN_COMMANDS[system]
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    assert main([*words, "--out", str(out)]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert printed.err.startswith(f"fedveil {name}: error: run directory ") and "is not empty" in printed.err
+    assert printed.err.count("\n") == 1, printed.err
+    assert [p.name for p in out.iterdir()] == ["results.json"]
+
+
 PPFL_TINY = """
 name: tiny
 data: synthetic-fashion-mnist:600

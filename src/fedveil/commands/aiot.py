@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedveil.experiments.checkpoint import add_run_arguments, run_sets
+from fedveil.experiments.checkpoint import add_run_arguments, check_run_dir, run_sets
 from fedveil.experiments.config import run_overrides
 from fedveil.experiments.report import announce_stand_in
 
@@ -99,6 +99,7 @@ def _run(args: argparse.Namespace) -> int:
     overrides = run_overrides(run_sets(args), {"trials": args.trials, "methods": methods})
     cfg = load_aiot_run(args.config, overrides)
     out = args.out or Path("runs") / cfg.name
+    check_run_dir(out, resume=args.resume, overwrite=args.overwrite)
     announce_stand_in(
         f"{cfg.public_identities} public and {cfg.private_identities + cfg.test_identities} private "
         "identities of the synthetic face population (fedveil.data.faces), for MS-Celeb-1M and the "

@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fedveil.experiments.checkpoint import add_run_arguments, run_sets
+from fedveil.experiments.checkpoint import add_run_arguments, check_run_dir, run_sets
 from fedveil.experiments.config import load_config
 from fedveil.experiments.report import announce_stand_in, format_results
 
@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from fedveil.experiments.fdml.runner import run_experiment
 
     cfg = load_config(demo_config_path(), run_sets(args), refuse_ignored=True)
+    check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
     if cfg.data.stand_in:
         announce_stand_in(cfg.data.stand_in)
     print(

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedveil.experiments.agent_options import add_feduv_agent_arguments
-from fedveil.experiments.checkpoint import add_run_arguments, run_sets
+from fedveil.experiments.checkpoint import add_run_arguments, check_run_dir, run_sets
 from fedveil.experiments.config import run_overrides
 from fedveil.experiments.network_options import add_network_arguments, with_runtime
 from fedveil.experiments.report import announce_stand_in
@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
     )
     out = args.out or Path("runs") / cfg.name
+    check_run_dir(out, resume=args.resume, overwrite=args.overwrite)
     announce_stand_in(
         "MNIST-UV drawn from synthetic handwriting (fedveil.data.mnist_uv), for FedUV's EMNIST",
         quiet=args.json,

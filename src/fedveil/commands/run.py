@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedveil.experiments.checkpoint import add_run_arguments, run_sets
+from fedveil.experiments.checkpoint import add_run_arguments, check_run_dir, run_sets
 from fedveil.experiments.config import load_config
 from fedveil.experiments.network_options import add_network_arguments, ray_plan, with_runtime
 from fedveil.experiments.report import announce_stand_in, format_results
@@ -26,11 +26,12 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load and check the whole config first, then train."""
+    """Load and check the whole config and the run directory first, then train."""
     from fedveil.experiments.fdml.runner import run_experiment
 
     cfg = load_config(args.config, run_sets(args), refuse_ignored=True)
     out = args.out or Path("runs") / cfg.name
+    check_run_dir(out, resume=args.resume, overwrite=args.overwrite)
     if cfg.data.stand_in:
         announce_stand_in(cfg.data.stand_in)
     results = with_runtime(

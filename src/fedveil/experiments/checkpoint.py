@@ -172,14 +172,11 @@ def run_sets(args: Any) -> list[str]:
     return [*args.overrides, *seed, *device]
 
 
-def prepare_run_dir(directory: str | Path, *, resume: bool, overwrite: bool) -> Path:
-    """Make ``directory`` ready for a run and return it.
+def check_run_dir(directory: str | Path, *, resume: bool, overwrite: bool) -> list[str]:
+    """Refuse ``directory`` as :func:`prepare_run_dir` would, touching nothing; the names it holds.
 
-    A new run (neither flag) needs a missing or empty directory: one holding anything is refused, naming
-    ``--resume`` (continue the run there) and ``--overwrite`` (clear it first). ``overwrite`` empties it
-    before anything of the new run is written (checkpoint and DP spend log included), and only when it
-    holds a run (:data:`RUN_FILES`), so that a mistyped ``--out`` never deletes a user's folder.
-    ``resume`` keeps it as it is."""
+    A command calls it before it prints anything (the stand-in banner), so that a refused run says only
+    why it was refused."""
     out = Path(directory)
     if resume and overwrite:
         raise ConfigError("--resume continues the run in the directory and --overwrite clears it: give one")
@@ -198,6 +195,20 @@ def prepare_run_dir(directory: str | Path, *, resume: bool, overwrite: bool) -> 
                 f"--overwrite: {str(out)!r} does not hold a fedveil run (none of {', '.join(RUN_FILES)}); "
                 "it is left as it is: choose another --out"
             )
+    return entries
+
+
+def prepare_run_dir(directory: str | Path, *, resume: bool, overwrite: bool) -> Path:
+    """Make ``directory`` ready for a run and return it.
+
+    A new run (neither flag) needs a missing or empty directory: one holding anything is refused, naming
+    ``--resume`` (continue the run there) and ``--overwrite`` (clear it first). ``overwrite`` empties it
+    before anything of the new run is written (checkpoint and DP spend log included), and only when it
+    holds a run (:data:`RUN_FILES`), so that a mistyped ``--out`` never deletes a user's folder.
+    ``resume`` keeps it as it is. The refusals are :func:`check_run_dir`'s."""
+    out = Path(directory)
+    entries = check_run_dir(out, resume=resume, overwrite=overwrite)
+    if entries and not resume:
         for name in entries:
             path = out / name
             if path.is_dir() and not path.is_symlink():
