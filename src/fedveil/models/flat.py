@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -50,9 +51,17 @@ class FlatModel:
         """The module's current parameters (and buffers) as a flat float32 vector (a host copy)."""
         return torch.cat([t.detach().reshape(-1) for t in self._tensors()]).cpu().numpy().astype(np.float32)
 
-    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    def unflatten(self, flat: torch.Tensor | Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Views of ``flat`` shaped as each named tensor. ``flat`` is the whole vector (``num_params``)
-        or its leading tensors only, e.g. the parameters without the buffers that follow them."""
+        or its leading tensors only, e.g. the parameters without the buffers that follow them; or those
+        tensors already apart and shaped, in order (as :func:`fedveil.protocols.local.local_train` hands
+        them to a loss given their ``shapes``), which are named as they are."""
+        if not isinstance(flat, torch.Tensor):
+            tensors = tuple(flat)
+            shapes = [tuple(t.shape) for t in tensors]
+            if shapes != self.shapes[: len(tensors)]:
+                raise ValueError(f"tensors shaped {shapes[:4]}... are not the model's {self.shapes[:4]}...")
+            return dict(zip(self.names, tensors, strict=False))
         count = len(self.names)
         if flat.shape[0] != self.num_params:
             ends = list(itertools.accumulate(self.sizes))
@@ -62,8 +71,9 @@ class FlatModel:
         pieces = torch.split(flat, self.sizes[:count])
         return {n: t.view(s) for n, t, s in zip(self.names[:count], pieces, self.shapes[:count], strict=True)}
 
-    def __call__(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The module's output on ``x`` with parameters taken from ``flat``."""
+    def __call__(self, flat: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The module's output on ``x`` with parameters taken from ``flat`` (either form of
+        :meth:`unflatten`)."""
         return functional_call(self.module, self.unflatten(flat), (x,))
 
     def load_into_module(self, flat: np.ndarray) -> nn.Module:

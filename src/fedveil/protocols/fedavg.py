@@ -627,6 +627,7 @@ class ModelClients:
         self.data = data
         self.optimizer = optimizer
         self.plan = plan or ParameterPlan(flat)
+        self._uploads_all = self.plan.upload_index.size == self.plan.num_params
         self.loss_fn = loss
         self.transform = transform
         self.batched = flat.num_params <= BATCH_BELOW_PARAMS if batched is None else batched
@@ -661,9 +662,12 @@ class ModelClients:
     def _objective(self, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(self.flat(p, x), y)
 
-    def _full(self, cid: ClientId, shared: torch.Tensor) -> torch.Tensor:
+    def _full(self, cid: ClientId, received: np.ndarray) -> torch.Tensor:
+        """Client ``cid``'s whole vector on the device, the shared part ``received``: a new tensor, the
+        one its local training steps in place (one copy of ``received`` when nothing is private)."""
+        shared = as_tensor(received).to(self.device)
         if self.plan.everything_shared:
-            return shared.clone()
+            return shared
         p = torch.empty(self.plan.num_params, dtype=torch.float32, device=self.device)
         p[torch.from_numpy(self.plan.shared_index).to(self.device)] = shared
         p[torch.from_numpy(self.plan.private_index).to(self.device)] = as_tensor(self._private[cid]).to(
@@ -693,50 +697,63 @@ class ModelClients:
 
     def _fit(self, msgs: Mapping[ClientId, FitRequest]) -> dict[ClientId, object]:
         expected = (self.plan.shared_index.size,)
-        jobs = {}
+        jobs: dict[ClientId, tuple[FitRequest, int, list[tuple[torch.Tensor, torch.Tensor]]] | Exception] = {}
         for cid, m in msgs.items():
             if m.weights.shape != expected:
                 jobs[cid] = ValidationError(f"weights of shape {m.weights.shape}, expected {expected}")
                 continue
             n, batches = self._batches(cid, m)
-            jobs[cid] = (m, n, self._full(cid, as_tensor(m.weights).to(self.device)), batches)
+            jobs[cid] = (m, n, batches)
         trained: dict[ClientId, tuple[torch.Tensor, float]] = {}
         runnable = {c: j for c, j in jobs.items() if not isinstance(j, Exception)}
         mask = None if self.plan.train_mask is None else self.plan.train_mask.to(self.device)
         self.flat.module.train()
         if self.batched:
             groups: dict[tuple[int, int, int, float], list[ClientId]] = {}
-            for cid, (m, n, _, _) in runnable.items():
+            for cid, (m, n, _) in runnable.items():
                 groups.setdefault((n, m.local_epochs, m.batch_size, m.lr), []).append(cid)
             for (_, _, _, lr), group in groups.items():
-                p = torch.stack([runnable[c][2] for c in group])
-                steps = len(runnable[group[0]][3])
+                p = torch.stack([self._full(c, runnable[c][0].weights) for c in group])
+                steps = len(runnable[group[0]][2])
                 batches = [
-                    tuple(torch.stack([runnable[c][3][s][k] for c in group]) for k in range(2))
+                    tuple(torch.stack([runnable[c][2][s][k] for c in group]) for k in range(2))
                     for s in range(steps)
                 ]
-                p, losses = local_train_cohort(self._objective, p, batches, self.optimizer, lr, mask)
+                p, losses = local_train_cohort(
+                    self._objective, p, batches, self.optimizer, lr, mask, inplace=True
+                )
                 trained.update({c: (p[i], float(losses[i])) for i, c in enumerate(group)})
         else:
-            for cid, (m, _, p0, batches) in runnable.items():
-                p, loss = local_train(self._objective, p0, batches, self.optimizer, m.lr, mask)
+            for cid, (m, _, batches) in runnable.items():
+                p0, shapes = self._full(cid, m.weights), self.flat.shapes
+                p, loss = local_train(
+                    self._objective, p0, batches, self.optimizer, m.lr, mask, inplace=True, shapes=shapes
+                )
                 trained[cid] = (p, float(loss))
         out: dict[ClientId, object] = {}
         for cid, job in jobs.items():
             if isinstance(job, Exception):
                 out[cid] = job
                 continue
-            m, n, p0, _ = job
+            m, n, _ = job
             p, loss = trained[cid]
-            if not self.plan.everything_shared:
-                private = torch.from_numpy(self.plan.private_index).to(self.device)
-                self._private[cid] = p.detach()[private].cpu().numpy().copy()
-            up = torch.from_numpy(self.plan.upload_index).to(self.device)
-            sent, new = p0[up].cpu(), p.detach()[up].cpu()
-            if self.transform is not None:
-                new = sent + self.transform(new - sent, self.rngs[cid])
-            out[cid] = FitReply(m.round, n, loss, new.numpy().astype(np.float32))
+            out[cid] = FitReply(m.round, n, loss, self._upload(cid, m.weights, p))
         return out
+
+    def _upload(self, cid: ClientId, received: np.ndarray, p: torch.Tensor) -> np.ndarray:
+        """Client ``cid``'s upload from its trained vector ``p`` (keeping its private part): the trained
+        values of the uploaded parameters, after the update transform. When every parameter is uploaded
+        and nothing transforms them, that is ``p``'s own memory, with no copy."""
+        p = p.detach()
+        if not self.plan.everything_shared:
+            private = torch.from_numpy(self.plan.private_index).to(self.device)
+            self._private[cid] = p[private].cpu().numpy().copy()
+        new = p if self._uploads_all else p[torch.from_numpy(self.plan.upload_index).to(self.device)]
+        new = new.cpu()
+        if self.transform is not None:
+            sent = as_tensor(received[self.plan.upload_in_shared])
+            new = sent + self.transform(new - sent, self.rngs[cid])
+        return np.asarray(new.numpy(), dtype=np.float32)
 
 
 # --- FL-traditional (FDML's baseline) -----------------------------------------------------------------
