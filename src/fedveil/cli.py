@@ -18,7 +18,15 @@ from collections.abc import Sequence
 
 from fedveil import commands
 from fedveil._version import __version__
+from fedveil.core.heap import retain_freed_memory
 from fedveil.errors import FedveilError, RunInterrupted
+
+#: The commands that train models (or attack them, or benchmark training): their process keeps freed memory
+#: in its heap (:func:`fedveil.core.heap.retain_freed_memory`), so each client and round reuses the pages
+#: the last one freed instead of faulting fresh ones in.
+TRAINING_COMMANDS = frozenset(
+    {"agent", "aiot", "attack", "bench", "demo", "feduv", "polifl", "ppfl", "reproduce", "run", "server"}
+)
 
 #: What to do about a file system error, by errno (a full or read-only disk ends a run with one line).
 DISK_ERRORS = {
@@ -56,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     name = args.command
+    if name in TRAINING_COMMANDS:
+        retain_freed_memory()
     from fedveil.runtime.threads import blas_threads  # numpy: not needed for --help
 
     try:

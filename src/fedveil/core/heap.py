@@ -6,10 +6,14 @@ strings, and an 86 MB request to the enclave. glibc's malloc serves every alloca
 buffer then page-faults its way in: about 330 faults, each zeroing a page, per 1.35 MB, tens of thousands per
 round. Raising the mmap and trim thresholds keeps such buffers in the heap, where the next round finds them
 already mapped. Side by side, the host's setting took FDML from 2.6 to 3.7 rounds/s (``python
-benchmarks/fdml_rounds_ablation.py``, docs/benchmarks.md). The cost is that the process keeps its peak heap:
-its resident size does not fall back after a round. So only the runs measured to gain turn it on:
-:func:`fedveil.experiments.fdml.runner.run_experiment` (FDML, FL-traditional on TouchAuth), ``fedveil bench
-rounds``, and the enclave process.
+benchmarks/fdml_rounds_ablation.py``, docs/benchmarks.md). Image FedAvg's clients are the same story at a
+smaller scale: each LeNet client of ``fedveil bench peers`` (1.26M parameters) allocates and frees its
+5 MB vectors at every step, and faulted thousands of pages in per client without the setting, none with
+it. The cost is that the process keeps its peak heap: its resident size does not fall back after a
+round. So the processes that train turn it on: every training command of the ``fedveil`` command
+(:data:`fedveil.cli.TRAINING_COMMANDS`: ``run``, ``reproduce``, each system's runs, ``attack``, ``bench``,
+``server``, ``agent``), the library's :func:`fedveil.experiments.fdml.runner.run_experiment` and
+``fedveil bench rounds`` when called from Python, and the enclave process.
 
 Only glibc has these knobs. Elsewhere this is a no-op, and nothing depends on it but speed.
 """
