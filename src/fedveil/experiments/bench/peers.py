@@ -18,6 +18,10 @@ process each: in-process (``fedveil``) and with the clients on ``threads`` Ray a
 environment, ``.venv-peers/<framework>`` (:func:`setup_peers`, ``fedveil bench peers --setup``), so they
 cannot change the project's pinned torch: Flower 1.42's simulation engine (Ray backend, ``threads``
 actors) and pfl-research 0.6's simulated backend (in one process, ``threads`` torch threads).
+``device`` (``--device``) is forwarded to fedveil's in-process rows (``fedveil``), whose clients train
+there; the peers' environments hold the CPU torch and fedveil's Ray actors are given CPUs only, so those
+rows train on the CPU, and asking for another device with ``ray`` among the frameworks is refused before
+anything runs (:func:`~fedveil.experiments.bench.scale.check_scale_device`). Every row names its device.
 
 Each row: ``framework``, ``version``, ``engine``, ``clients_per_round``, ``rounds``, ``seconds_per_round``
 (median of the timed rounds), ``first_round_seconds`` (the warm-up), ``startup_seconds`` (building the
@@ -71,6 +75,7 @@ from fedveil.experiments.bench.scale import (
     SCALE_EPOCHS,
     SCALE_LR,
     SCALE_MODEL,
+    check_scale_device,
     measure_in_subprocess,
     scale_users,
 )
@@ -306,7 +311,15 @@ def run_peer(name: str, task: Path, cohort: int, threads: int, *, venvs: Path) -
 
 
 def _fedveil_row(
-    name: str, *, clients: int, samples: int, cohort: int, rounds: int, seed: int, threads: int
+    name: str,
+    *,
+    clients: int,
+    samples: int,
+    cohort: int,
+    rounds: int,
+    seed: int,
+    threads: int,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     actors = threads if name == "ray" else 0
     row = measure_in_subprocess(
@@ -317,6 +330,7 @@ def _fedveil_row(
         actors=actors,
         seed=seed,
         threads=threads,
+        device=device,
         env=run_environment(),
     )
     from fedveil._version import __version__
@@ -353,11 +367,13 @@ def bench_peers(
     out: Path = Path("runs/bench-peers"),
     venvs: Path | None = None,
     progress: Progress = _stderr,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Write the task to ``out/task``, measure the peak GEMM rate, run every framework at every cohort
     size, each in its own process, and write ``out/results.json``; returns ``{"task": manifest, "rows":
     [...], "speedup"}`` where ``speedup[cohort][framework]`` is that framework's seconds per round over
-    fedveil's. Every row carries the floor's fields (module docstring)."""
+    fedveil's. Every row carries the floor's fields and its device; ``device`` is where fedveil's
+    in-process rows train (module docstring)."""
     check_settings(
         frameworks=frameworks,
         cohorts=cohorts,
@@ -366,6 +382,7 @@ def bench_peers(
         samples=samples,
         threads=threads,
     )
+    check_scale_device(device, [threads] if "ray" in frameworks else [])
     venvs = venvs or repo_root() / ".venv-peers"
     for name in frameworks:
         if name in PEERS:
@@ -381,7 +398,7 @@ def bench_peers(
             progress(f"bench peers: {name}, {cohort} of {clients} clients per round, {rounds} + 1 rounds ...")
             started = time.perf_counter()
             if name in PEERS:
-                row = run_peer(name, task, cohort, threads, venvs=venvs)
+                row = {**run_peer(name, task, cohort, threads, venvs=venvs), "device": "cpu"}
             else:
                 row = _fedveil_row(
                     name,
@@ -391,6 +408,7 @@ def bench_peers(
                     rounds=rounds,
                     seed=seed,
                     threads=threads,
+                    device=device,
                 )
             row.update(floor_fields(manifest, cohort, row["cpu_seconds_per_round"], peak))
             rows.append(row)

@@ -9,12 +9,15 @@ parameters) on 28 x 28 grayscale images:
 Registered clients grow from 1e3 to 1e5. Each client's images are a *view* into one shared array of the
 training images (a window of ``samples`` consecutive images of a seeded permutation), so registering
 clients costs their records and generators, not copies of the pixels. The clients run in-process, or
-sharded over ``actors`` Ray actors (each actor builds the shared array once).
+sharded over ``actors`` Ray actors (each actor builds the shared array once). In-process, the clients
+train on ``device`` (:func:`~fedveil.models.device.resolve_device`; their images move there once, as
+the FedAvg engine moves client data); the Ray actors are given CPUs only, so a setting on Ray needs the
+CPU device, and asking for another is refused before anything starts (:func:`check_scale_device`).
 
 Each setting runs in a fresh process, so its peak RSS (``ru_maxrss``) is its own. With Ray, that is the
 driver's only; the actors' memory is not included, and the output says so. Reported per setting:
 
-- the clients and actors;
+- the clients, actors and the device they trained on;
 - the median seconds per round over ``rounds`` rounds, after one warm-up round, and rounds per second;
 - the median CPU seconds per round of this process and its descendants (Ray's actors included);
 - start-up seconds: building the clients, and the actors with Ray; the warm-up round's seconds;
@@ -39,6 +42,7 @@ import numpy as np
 
 from fedveil.errors import ConfigError
 from fedveil.experiments.bench.floor import tree_cpu_seconds
+from fedveil.models.device import resolve_device
 
 __all__ = [
     "SCALE_BATCH",
@@ -46,6 +50,7 @@ __all__ = [
     "SCALE_LR",
     "SCALE_MODEL",
     "bench_scale",
+    "check_scale_device",
     "measure_in_subprocess",
     "measure_setting",
     "scale_clients",
@@ -85,8 +90,25 @@ def scale_users(clients: int, samples: int, seed: int, ids: Sequence[str] | None
     return users
 
 
-def scale_clients(clients: int, samples: int, seed: int, ids: Sequence[str] | None = None) -> Any:
-    """The client pool of :func:`scale_users`' clients (only ``ids`` of them, for a Ray shard)."""
+def check_scale_device(device: str, actors: Sequence[int]) -> str:
+    """The resolved ``device`` (:func:`~fedveil.models.device.resolve_device`) as text, after checking
+    that no setting puts clients on Ray actors (``actors`` above 0) with a device other than the CPU:
+    the actors are given CPUs only (module docstring). A :class:`ConfigError` names both otherwise."""
+    where = resolve_device(device)
+    ray = [a for a in actors if a > 0]
+    if ray and where.type != "cpu":
+        raise ConfigError(
+            f"device {device!r} ({where}) with Ray actors {ray}: the actors are given CPUs only; measure "
+            "the Ray settings with --device cpu, or give --actors '' (no Ray) to measure on the device"
+        )
+    return str(where)
+
+
+def scale_clients(
+    clients: int, samples: int, seed: int, ids: Sequence[str] | None = None, device: str = "cpu"
+) -> Any:
+    """The client pool of :func:`scale_users`' clients (only ``ids`` of them, for a Ray shard), training
+    on ``device``."""
     import torch
 
     from fedveil.data.federated import FederatedDataset
@@ -98,13 +120,23 @@ def scale_clients(clients: int, samples: int, seed: int, ids: Sequence[str] | No
     users = scale_users(clients, samples, seed, ids)
     torch.manual_seed(seed)
     flat = FlatModel(build_model(SCALE_MODEL, num_classes=10, in_channels=1, image_size=28, seed=seed))
-    return ModelClients(flat, FederatedDataset(users), optimizer=LocalOptimizer("sgd", SCALE_LR), seed=seed)
+    return ModelClients(
+        flat, FederatedDataset(users), optimizer=LocalOptimizer("sgd", SCALE_LR), seed=seed, device=device
+    )
 
 
 def measure_setting(
-    *, clients: int, per_round: int, rounds: int, samples: int, actors: int, seed: int, threads: int
+    *,
+    clients: int,
+    per_round: int,
+    rounds: int,
+    samples: int,
+    actors: int,
+    seed: int,
+    threads: int,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """One setting in this process (module docstring)."""
+    """One setting in this process (module docstring), its in-process clients training on ``device``."""
     import functools
 
     import torch
@@ -115,6 +147,7 @@ def measure_setting(
     from fedveil.protocols.local import LocalOptimizer
     from fedveil.runtime.simulation import SimulationRuntime
 
+    where = check_scale_device(device, [actors])
     torch.set_num_threads(threads)
     started = time.perf_counter()
     if actors > 0:
@@ -126,7 +159,7 @@ def measure_setting(
             functools.partial(scale_clients, clients, samples, seed), ids, actors=actors, threads=1
         )
     else:
-        pool = scale_clients(clients, samples, seed)
+        pool = scale_clients(clients, samples, seed, device=device)
     runtime = SimulationRuntime(pool, rng=np.random.default_rng(seed + 1))
     torch.manual_seed(seed)
     flat = FlatModel(build_model(SCALE_MODEL, num_classes=10, in_channels=1, image_size=28, seed=seed))
@@ -156,6 +189,7 @@ def measure_setting(
         "clients": clients,
         "clients_per_round": per_round,
         "actors": actors,
+        "device": where,
         "rounds": rounds,
         "seconds_per_round": per,
         "rounds_per_second": 1.0 / per,
@@ -186,14 +220,15 @@ def measure_in_subprocess(
     actors: int,
     seed: int,
     threads: int,
+    device: str = "cpu",
     env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """:func:`measure_setting` in a fresh ``python -m fedveil bench scale --one`` process (its own RSS),
-    with the environment ``env`` (default: this process's)."""
+    on ``device``, with the environment ``env`` (default: this process's)."""
     command = [sys.executable, "-m", "fedveil", "bench", "scale", "--one", "--json"]
     command += ["--clients", str(clients), "--actors", str(actors), "--per-round", str(per_round)]
     command += ["--rounds", str(rounds), "--samples", str(samples), "--seed", str(seed)]
-    command += ["--threads", str(threads)]
+    command += ["--threads", str(threads), "--device", device]
     done = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=env)
     if done.returncode != 0:
         raise ConfigError(f"setting clients={clients} actors={actors} failed: {done.stderr.strip()[-800:]}")
@@ -210,16 +245,26 @@ def bench_scale(
     samples: int = 50,
     seed: int = 0,
     threads: int = 2,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Every setting, each in a fresh ``python -m fedveil bench scale --one`` process: in-process at each
-    of ``clients``, then on Ray with ``ray_clients`` clients at each of ``actors`` (none: Ray skipped)."""
+    of ``clients``, then on Ray with ``ray_clients`` clients at each of ``actors`` (none: Ray skipped);
+    the in-process clients train on ``device`` (:func:`check_scale_device`)."""
     for name, values in (("clients", clients), ("actors", actors)):
         if any(v < 1 for v in values):
             raise ConfigError(f"{name} {list(values)} must all be >= 1")
     if per_round < 1 or rounds < 1 or samples < 1:
         raise ConfigError("per_round, rounds and samples must be >= 1")
+    check_scale_device(device, actors)
     settings = [(n, 0) for n in clients] + [(ray_clients, a) for a in actors]
-    common = {"per_round": per_round, "rounds": rounds, "samples": samples, "seed": seed, "threads": threads}
+    common = {
+        "per_round": per_round,
+        "rounds": rounds,
+        "samples": samples,
+        "seed": seed,
+        "threads": threads,
+        "device": device,
+    }
     rows = [measure_in_subprocess(clients=n, actors=a, **common) for n, a in settings]
     from fedveil.data.images import load_image_dataset
 
