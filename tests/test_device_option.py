@@ -5,6 +5,7 @@ every number is exactly what fedveil computed before the setting existed."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import json
 import os
@@ -22,7 +23,7 @@ from fedveil.cli import main
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import add_run_arguments, run_sets
 from fedveil.experiments.config import load_config
-from fedveil.models.device import check_device_spec, resolve_device
+from fedveil.models.device import check_device_spec, module_device, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 NO_CUDA = not torch.cuda.is_available()
@@ -254,3 +255,305 @@ def test_cuda_on_a_cpu_machine_fails_before_the_run_directory_is_touched(
     assert main([*words, "--device", "cuda", "--out", str(out), "--no-progress"]) == 2
     assert "device: 'cuda' asks for CUDA, but torch" in capsys.readouterr().err
     assert not out.exists()
+
+
+# --- the device reaches AIoT's pre-training and evaluation, PPFL's client TEEs, bench scale and peers ---
+
+ASKED = "cuda:1"
+"""What the runs below ask for; only the spied resolver (:func:`_spy_device`) answers it."""
+SENTINEL = torch.device("cpu", 0)
+"""The spied resolver's answer to :data:`ASKED`: the CPU, so the run computes here, but told apart from
+``torch.device("cpu")`` by its index, so a ``.to`` call that receives it moves to the device asked for."""
+
+
+def _spy_device(monkeypatch: pytest.MonkeyPatch, *modules: str) -> list[tuple[Any, str]]:
+    """Make ``resolve_device`` in each of ``modules`` answer :data:`ASKED` (and :data:`SENTINEL`) with
+    :data:`SENTINEL`, resolving anything else as before, and return the list of what is moved there and
+    by which function: ``(shape, caller)`` per tensor and ``(class name, caller)`` per module. Their
+    ``module_device`` says :data:`SENTINEL` of a module last moved there (a tensor moved there reports
+    the plain CPU)."""
+
+    def spied(spec: str | torch.device = "auto") -> torch.device:
+        if spec == ASKED or (isinstance(spec, torch.device) and spec == SENTINEL):
+            return SENTINEL
+        return resolve_device(spec)
+
+    there: set[int] = set()
+
+    def where(module: torch.nn.Module) -> torch.device:
+        return SENTINEL if id(module) in there else module_device(module)
+
+    for name in modules:
+        module = importlib.import_module(name)
+        monkeypatch.setattr(module, "resolve_device", spied)
+        if hasattr(module, "module_device"):
+            monkeypatch.setattr(module, "module_device", where)
+    moved: list[tuple[Any, str]] = []
+
+    def to_sentinel(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        return any(isinstance(a, torch.device) and a == SENTINEL for a in (*args, *kwargs.values()))
+
+    tensor_to, module_to = torch.Tensor.to, torch.nn.Module.to
+
+    def tensor_spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if to_sentinel(args, kwargs):
+            moved.append((tuple(self.shape), sys._getframe(1).f_code.co_name))
+        return tensor_to(self, *args, **kwargs)
+
+    def module_spy(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if to_sentinel(args, kwargs):
+            moved.append((type(self).__name__, sys._getframe(1).f_code.co_name))
+            there.add(id(self))
+        else:
+            there.discard(id(self))
+        return module_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", tensor_spy)
+    monkeypatch.setattr(torch.nn.Module, "to", module_spy)
+    return moved
+
+
+AIOT_MODULES = (
+    "fedveil.experiments.aiot.runner",
+    "fedveil.experiments.aiot.faces_domain",
+    "fedveil.protocols.projector",
+)
+
+
+def _tiny_aiot(device: str) -> Any:
+    from fedveil.experiments.aiot.runner import AiotRun
+
+    return AiotRun(
+        size=32,
+        width=0.25,
+        public_identities=20,
+        pretrain_epochs=1,
+        private_identities=12,
+        test_identities=6,
+        wild=2,
+        identities_per_device=3,
+        rounds=1,
+        clients_per_round=2,
+        batch_size=4,
+        trials=1,
+        methods=("pretrained", "ours"),
+        threads=1,
+        device=device,
+    )
+
+
+def test_aiot_pre_trains_fine_tunes_and_evaluates_on_the_resolved_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedveil.experiments.aiot.runner import run_aiot
+
+    moved = _spy_device(monkeypatch, *AIOT_MODULES)
+    record = run_aiot(_tiny_aiot(ASKED), tmp_path / "run", progress=False)
+    assert record["run"]["device"] == ASKED and set(record["results"]) == {"pretrained/0", "ours/0"}
+    public, test = (20 * 3, 3, 32, 32), (6 * 3, 3, 32, 32)  # identities x (reference + 2 wild photos)
+    assert {(public, "train_faces"), ("MobileFaceNet", "train_faces"), ("ArcFace", "train_faces")} <= set(
+        moved
+    ), "the pre-training: the public photos, the network and its ArcFace head"
+    # each method's evaluation embeds the test photos on the device twice (TAR@FAR, then Eq. 5)
+    assert moved.count((test, "embed_faces")) == 4
+    assert ((9, 3, 32, 32), "_tensors") in moved, "a device's photos (3 identities) for its fine-tuning"
+
+
+def test_aiot_faces_measures_on_the_resolved_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedveil.experiments.aiot.faces_domain import FaceDomainRun, measure_domain_gap
+
+    moved = _spy_device(monkeypatch, *AIOT_MODULES)
+    run = FaceDomainRun(
+        size=32,
+        width=0.25,
+        public_identities=8,
+        private_train_identities=6,
+        test_identities=4,
+        wild=2,
+        epochs=1,
+        finetune_epochs=1,
+        batch_size=8,
+        threads=1,
+        device=ASKED,
+    )
+    result = measure_domain_gap(run, progress=False)
+    assert result["run"]["device"] == ASKED
+    assert ((8 * 3, 3, 32, 32), "train_faces") in moved, "the public photos, for the pre-training"
+    assert ((6 * 3, 3, 32, 32), "train_faces") in moved, "the private ones, for the fine-tuning"
+    assert moved.count(((4 * 3, 3, 32, 32), "embed_faces")) == 3, "public test, private test twice"
+    with pytest.raises(ConfigError, match="device: 'gpu' is not one of"):
+        FaceDomainRun(device="gpu")
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="auto is the CPU only on a machine without CUDA")
+def test_aiot_gives_the_same_bits_with_and_without_device_cpu(tmp_path: Path) -> None:
+    from fedveil.experiments.aiot.runner import run_aiot
+
+    runs = {d: run_aiot(_tiny_aiot(d), tmp_path / d, progress=False) for d in ("auto", "cpu")}
+    assert runs["auto"]["results"] == runs["cpu"]["results"]
+    pretrained = [(tmp_path / d / "pretrained.safetensors").read_bytes() for d in ("auto", "cpu")]
+    assert pretrained[0] == pretrained[1]
+
+
+def _tiny_ppfl(device: str, *, batched: bool) -> Any:
+    """PPFL over 4 devices of 12 examples (8 x 8 images, 4 classes) and an evaluation device, LeNet's
+    three stages of 2 rounds each, the REEs and TEEs on ``device``: the server and the devices."""
+    from fedveil.experiments.fdml.runner import device_sessions
+    from fedveil.models.zoo import build_model
+    from fedveil.protocols.ppfl import PpflClients, PpflConfig, PpflServer
+    from fedveil.runtime.enclave_host import EnclaveHost
+    from fedveil.runtime.quoting import SimulatedPlatform
+    from fedveil.runtime.simulation import SimulationRuntime
+
+    rng = np.random.default_rng(0)
+    prototypes = rng.normal(0, 1, (4, 1, 8, 8)).astype(np.float32)
+    users = []
+    for name, n in (("c0", 12), ("c1", 12), ("c2", 12), ("c3", 12), ("eval", 16)):
+        y = rng.integers(0, 4, n)
+        x = (prototypes[y] + 0.5 * rng.normal(0, 1, (n, 1, 8, 8))).astype(np.float32)
+        users.append(fedveil.UserData(name, {}, {"x": x, "y": y}))
+    data = fedveil.FederatedDataset(users)
+    cfg = PpflConfig(rounds_per_stage=2, clients_per_round=2, local_epochs=2, batch_size=4, lr=0.05)
+    model = build_model("lenet", num_classes=4, in_channels=1, image_size=8, seed=0)
+    platform = SimulatedPlatform.generate()
+    with EnclaveHost.start(platform=platform) as host:
+        pool = PpflClients(
+            model,
+            data,
+            optimizer=cfg.optimizer(),
+            seed=0,
+            sessions=device_sessions(data.user_ids, platform.public_key, host.measurement),
+            tee_bytes=dict.fromkeys(data.user_ids, 64 * 2**20),
+            evaluators=["eval"],
+            batched=batched,
+            device=device,
+        )
+        runtime = SimulationRuntime(pool, rng=np.random.default_rng(1))
+        server = PpflServer(model, cfg, host, np.random.default_rng(2))
+
+        async def go() -> None:
+            await server.setup(runtime)
+            await server.train(runtime)
+
+        asyncio.run(go())
+    return server, pool
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_ppfl_client_tees_train_and_evaluate_on_the_resolved_device(
+    batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedveil.models.flat import FlatModel
+
+    moved = _spy_device(monkeypatch, "fedveil.protocols.ppfl")
+    _, pool = _tiny_ppfl(ASKED, batched=batched)
+    assert all(tee.device == SENTINEL for tee in pool.tees.values())
+    for stage in range(len(pool.stages)):
+        size = FlatModel(pool.net(stage)).num_params
+        # theta_l as each TEE opened it, or as the cohort's two TEEs opened it together
+        trained = ((2, size), "_fit_cohort") if batched else ((size,), "train")
+        assert trained in moved, f"stage {stage}'s theta_l trains on the device"
+        assert ((size,), "evaluate") in moved, f"stage {stage}'s theta_l is evaluated on the device"
+    assert ("StageNet", "net") in moved and ((12,), "_client_tensor") in moved, "the nets and the labels"
+    assert all(
+        p.device == torch.device("cpu")
+        for units in pool.frozen.values()
+        for u in units
+        for p in u.parameters()
+    ), "the released layers the REEs keep stay on the CPU"
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="auto is the CPU only on a machine without CUDA")
+@pytest.mark.parametrize("batched", [True, False])
+def test_ppfl_client_tees_give_the_same_bits_with_and_without_device_cpu(batched: bool) -> None:
+    timed = ("seconds_broadcast", "seconds_aggregate", "seconds_train")
+    runs = {d: _tiny_ppfl(d, batched=batched) for d in ("auto", "cpu")}
+    reports = {
+        d: [[{k: v for k, v in line.items() if k not in timed} for line in r.rounds] for r in server.reports]
+        for d, (server, _) in runs.items()
+    }
+    assert reports["auto"] == reports["cpu"] and len(reports["cpu"]) == 3
+    models = [pool.trained_model("c0") for _, pool in runs.values()]
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _small_fashion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench scale``'s data set, 300 training and 50 test images of the stand-in instead of 60,000 and
+    10,000 (the setting's code is the same; building the full stand-in takes half a minute here)."""
+    from fedveil.data import images
+
+    def small(name: str, split: str, *, seed: int = 0, **_: Any) -> Any:
+        assert name == "fashion-mnist"
+        return images.synthetic_fashion_mnist(300 if split == "train" else 50, seed=seed, split=split)
+
+    monkeypatch.setattr(images, "load_image_dataset", small)
+
+
+def test_bench_scale_trains_its_clients_on_the_resolved_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedveil.experiments.bench.scale import measure_setting
+
+    _small_fashion(monkeypatch)
+    setting = dict(clients=20, per_round=4, rounds=1, samples=5, actors=0, seed=0, threads=1)
+    on_cpu = measure_setting(**setting, device="cpu")  # type: ignore[arg-type]
+    moved = _spy_device(monkeypatch, "fedveil.experiments.bench.scale", "fedveil.protocols.fedavg")
+    row = measure_setting(**setting, device=ASKED)  # type: ignore[arg-type]
+    assert row["device"] == str(SENTINEL) and on_cpu["device"] == "cpu"
+    assert ("LeNet", "__init__") in moved, "the clients' network moves to the device"
+    assert any(shape == (5, 1, 28, 28) for shape, _ in moved), "a client's images move to the device"
+    if NO_CUDA:  # the same bits on the CPU, asked for or by default
+        assert on_cpu["accuracy"] == row["accuracy"]
+        assert measure_setting(**setting)["accuracy"] == row["accuracy"]  # type: ignore[arg-type]
+
+
+def test_bench_scale_refuses_a_gpu_for_its_ray_actors_before_starting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedveil.experiments.bench.peers import bench_peers
+    from fedveil.experiments.bench.scale import bench_scale, check_scale_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert check_scale_device("cuda", [0]) == "cuda" and check_scale_device("cpu", [1, 2]) == "cpu"
+    refused = r"device 'cuda' \(cuda\) with Ray actors \[2\]: the actors are given CPUs only.*--device cpu"
+    with pytest.raises(ConfigError, match=refused):
+        bench_scale(clients=[10], actors=[2], device="cuda")
+    with pytest.raises(ConfigError, match=refused):
+        bench_peers(frameworks=["fedveil", "ray"], threads=2, device="cuda", out=tmp_path / "peers")
+    assert not (tmp_path / "peers").exists(), "refused before the task is written"
+
+
+def test_bench_scale_and_peers_forward_the_device_to_fedveils_setting_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedveil.cli import build_parser
+    from fedveil.experiments.bench import peers, scale
+
+    commands: list[list[str]] = []
+
+    def setting_process(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        commands.append(command)
+        args = build_parser().parse_args(command[3:])
+        row = {"clients_per_round": args.per_round, "device": args.device, "accuracy": 0.5}
+        row.update(seconds_per_round=1.0, cpu_seconds_per_round=1.0)
+        return subprocess.CompletedProcess(command, 0, json.dumps(row), "")
+
+    monkeypatch.setattr(scale.subprocess, "run", setting_process)
+    monkeypatch.setattr(peers, "measure_peak_gemm", lambda threads: 1e10)
+    _small_fashion(monkeypatch)
+    _spy_device(monkeypatch, "fedveil.experiments.bench.scale")
+    result = peers.bench_peers(
+        frameworks=["fedveil"],
+        cohorts=[2],
+        rounds=1,
+        clients=4,
+        samples=2,
+        threads=1,
+        out=tmp_path,
+        device=ASKED,
+    )
+    (command,) = commands
+    assert command[1:5] == ["-m", "fedveil", "bench", "scale"] and command[-2:] == ["--device", ASKED]
+    assert [r["device"] for r in result["rows"]] == [ASKED]
+    rows = scale.bench_scale(clients=[3], actors=[], per_round=2, rounds=1, samples=2, device=ASKED)["rows"]
+    assert [r["device"] for r in rows] == [ASKED] and commands[-1][-2:] == ["--device", ASKED]
