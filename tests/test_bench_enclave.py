@@ -9,7 +9,22 @@ import pytest
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
-from fedveil.experiments.bench.enclave import PAPER_TABLE_V_SECONDS, bench_enclave, clustered_embeddings
+from fedveil.experiments.bench.enclave import (
+    PAPER_TABLE_V_SECONDS,
+    SYNTHETIC,
+    TrainedEmbeddings,
+    bench_enclave,
+    clustered_embeddings,
+    cohort_embeddings,
+)
+
+#: A tiny FDML run: 12 training users, cohorts of 4 x 4.
+TINY_RUN = (
+    "data.train_users_per_model=[6, 6]",
+    "data.test_users_per_model=[2, 2]",
+    "fdml.num_required=4",
+    "fdml.samples_per_client=4",
+)
 
 
 def test_rows_carry_timing_memory_error_and_the_paper_column() -> None:
@@ -50,12 +65,76 @@ def test_bad_settings_raise_config_error(kwargs: dict) -> None:
 
 def test_cli_prints_json_rows_and_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["bench", "enclave", "--participants", "3,4", "--samples", "3", "--dim", "4", "--repeats", "1"]
+    args += ["--embeddings", "synthetic"]
     assert main([*args, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["participants"] for r in rows] == [3, 4] and rows[0]["strategy"] == "batch-all"
+    assert all(r["source"] == "synthetic" and r["source_details"] == {"noise": 0.5} for r in rows)
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "paper (s)" in table and "max rel err" in table and len(table.splitlines()) == 4
+
+
+def test_cli_times_trained_embeddings_beside_the_synthetic_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    """By default each count gets a synthetic row and a row on the embeddings of a short FDML run's
+    network (here a tiny run: 12 users, 3 rounds), the same fields, the reference checked on both."""
+    args = ["bench", "enclave", "--participants", "3,5", "--samples", "3", "--repeats", "1"]
+    sets = [word for item in TINY_RUN for word in ("--set", item)]
+    assert main([*args, "--train-rounds", "3", "--train-lr", "0.01", *sets, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["participants"], r["source"]) for r in rows] == [
+        (3, "synthetic"),
+        (3, "trained"),
+        (5, "synthetic"),
+        (5, "trained"),
+    ]
+    for r in rows:
+        assert r["embeddings"] == 3 * r["participants"] and r["dim"] == 64
+        assert r["max_rel_err"] is not None and r["max_rel_err"] <= 1e-4
+    details = rows[1]["source_details"]
+    assert details["train_rounds"] == 3 and details["train_lr"] == 0.01 and details["train_cohort"] == [4, 4]
+    assert details["train_loss_first"] > 0 and details["train_loss_last"] > 0
+    assert main([*args, "--embeddings", "trained", "--train-rounds", "0", *sets]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in table[2:]] == [["3", "trained"], ["5", "trained"]]
+
+
+def test_trained_embeddings_are_the_trained_networks_and_seeded() -> None:
+    source = TrainedEmbeddings(TINY_RUN, rounds=3, lr=0.01)
+    x, y = source(4, 3, 64, np.random.default_rng(5))
+    again, _ = source(4, 3, 64, np.random.default_rng(5))
+    assert x.dtype == np.float32 and x.shape == (12, 64) and len(source.losses) == 3
+    np.testing.assert_array_equal(x, again)
+    np.testing.assert_array_equal(y, np.repeat(np.arange(4), 3))
+    # the same cohort through the network as initialised: other embeddings, so the run trained it
+    flat, trained = source._network
+    untrained, _ = cohort_embeddings(source.population, flat, flat.initial(), 4, 3, np.random.default_rng(5))
+    want, _ = cohort_embeddings(source.population, flat, trained, 4, 3, np.random.default_rng(5))
+    np.testing.assert_array_equal(x, want)
+    assert not np.allclose(x, untrained)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (([4], 3, 32), "dim 32: trained embeddings are the FDML network's outputs, 64 wide"),
+        (([4, 13], 3, 64), "13 participants, but the population has 12 training users"),
+    ],
+)
+def test_trained_sizes_are_refused_before_the_run(sizes: tuple, message: str) -> None:
+    source = TrainedEmbeddings(TINY_RUN, rounds=50)
+    with pytest.raises(ConfigError, match=message):
+        bench_enclave(*sizes, "batch-all", sources=(SYNTHETIC, source))
+    assert source.losses == [] and "_network" not in vars(source)  # no round ran
+
+
+def test_cli_refuses_a_width_the_network_does_not_have(capsys: pytest.CaptureFixture[str]) -> None:
+    sets = [word for item in TINY_RUN for word in ("--set", item)]
+    assert main(["bench", "enclave", "--participants", "3", "--dim", "4", *sets]) == 2
+    err = capsys.readouterr().err
+    assert "dim 4: trained embeddings are the FDML network's outputs, 64 wide" in err
+    assert main(["bench", "enclave", "--participants", "3", "--train-rounds", "-1", *sets]) == 2
+    assert "training rounds -1 must be >= 0 (--train-rounds)" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:

@@ -35,6 +35,7 @@ def seen_during_alg1(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
 
 
 ENCLAVE_BENCH = ["bench", "enclave", "--participants", "3", "--samples", "3", "--dim", "4", "--repeats", "1"]
+ENCLAVE_BENCH += ["--embeddings", "synthetic"]
 
 
 @pytest.mark.parametrize("configured", [None, "2"])

@@ -2,8 +2,9 @@
 
 FDML Table V (Sec. VIII) times Alg. 1 with the "batch all" strategy inside
 SGX for 64 to 512 participants. For each participant count this measures, on the same embeddings as
-the in-process benchmark (:func:`fedveil.experiments.bench.enclave.clustered_embeddings`: ``samples``
-per participant, ``dim`` wide, float32 unit vectors, labelled by participant):
+the in-process benchmark, from each of its sources (:mod:`fedveil.experiments.bench.enclave`: the
+synthetic clustered unit vectors, or a short FDML run's trained network; ``samples`` per participant,
+``dim`` wide, float32, labelled by participant):
 
 - ``direct_s``: :func:`fedveil.enclave.triplet.loss_and_derivatives` called in this process;
 - ``boundary_s``: the whole boundary path: every client seals its embeddings, the host relays them to
@@ -23,6 +24,7 @@ outside the timing.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Sequence
@@ -34,7 +36,7 @@ from fedveil.core.attestation_verify import EnclaveClientSession, SimulatedQuote
 from fedveil.enclave.measure import DEFAULT_MEMORY_LIMIT_BYTES, EnclaveConfig, measure_enclave
 from fedveil.enclave.triplet import loss_and_derivatives
 from fedveil.errors import ConfigError
-from fedveil.experiments.bench.enclave import PAPER_TABLE_V_SECONDS, clustered_embeddings
+from fedveil.experiments.bench.enclave import PAPER_TABLE_V_SECONDS, SYNTHETIC, EmbeddingSource
 from fedveil.runtime.enclave_host import EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
 from fedveil.runtime.threads import thread_settings
@@ -51,28 +53,32 @@ def bench_enclave_boundary(
     boundary: str = "process",
     margin: float = 1.0,
     memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT_BYTES,
+    sources: Sequence[EmbeddingSource] = (SYNTHETIC,),
 ) -> list[dict[str, Any]]:
-    """One row per participant count (module docstring); times in seconds, memory in bytes."""
+    """One row per participant count and source, in that order (module docstring); times in seconds,
+    memory in bytes. Each source draws from its own generator seeded with ``seed``."""
     if repeats < 1 or samples < 2 or dim < 1 or not participants or min(participants) < 2:
         raise ConfigError(
             f"need repeats >= 1, samples >= 2, dim >= 1 and participant counts >= 2; got repeats={repeats}, "
             f"samples={samples}, dim={dim}, participants={list(participants)}"
         )
-    rng = np.random.default_rng(seed)
+    for source in sources:
+        source.check(participants, samples, dim)
+    rngs = [np.random.default_rng(seed) for _ in sources]
     config = EnclaveConfig(memory_limit_bytes=memory_limit_bytes, margin=margin, strategy=strategy)
     platform = SimulatedPlatform.generate()
     verifier = SimulatedQuoteVerifier(platform.public_key)
     expected = measure_enclave(config).digest
     rows = []
     with EnclaveHost.start(config, platform=platform, boundary=boundary) as host:
-        for count in participants:
+        for count, (source, rng) in itertools.product(participants, list(zip(sources, rngs, strict=True))):
             ids = [f"p{i:04d}" for i in range(count)]
             sessions = {}
             for cid in ids:
                 session = EnclaveClientSession(cid, verifier=verifier, expected_measurement=expected)
                 session.establish(host.open_session(session.hello()))
                 sessions[cid] = session
-            stacked, labels = clustered_embeddings(count, samples, dim, rng)
+            stacked, labels = source(count, samples, dim, rng)
             embeddings = dict(zip(ids, np.split(stacked, count), strict=True))
             direct, through, call = [], [], []
             for rep in range(repeats + 1):
@@ -102,6 +108,8 @@ def bench_enclave_boundary(
             rows.append(
                 {
                     "participants": count,
+                    "source": source.name,
+                    "source_details": source.details,
                     "samples_per_participant": samples,
                     "embeddings": count * samples,
                     "dim": dim,

@@ -13,7 +13,10 @@ The floor (what no implementation can beat) is measured in the same run:
   the cohort's samples and the per-device backward), *counted* by torch's ``FlopCounterMode`` over the
   client pool's calls, not estimated;
 - ``peak_gemm_gflops``: a large square float32 matmul at the same thread count (the machine's best case);
-- ``alg1_seconds``: the enclave's Alg. 1 on the round's embeddings (participants x samples, 64-d);
+- ``alg1_seconds``: the enclave's Alg. 1 on a round's embeddings (participants x samples, 64-d): a
+  cohort drawn after the timed blocks and embedded by the network as it then stands
+  (:func:`fedveil.experiments.bench.enclave.cohort_embeddings`), so untrained or trained as the timed
+  rounds saw them; ``alg1_active_fraction`` is the share of its valid triplets that are active;
 - ``sealed_bytes_per_round``: the uploads and the derivatives (what crosses the enclave channel), each
   byte sealed once and opened once, at the measured AES-256-GCM rate;
 - ``copied_bytes_per_round`` at the measured memcpy rate: every distinct message written once and read
@@ -21,23 +24,35 @@ The floor (what no implementation can beat) is measured in the same run:
   metered ``bytes_down_per_round``), and the aggregation's one read of every upload (Eq. 2);
 - ``floor_seconds`` = device FLOPs at the peak GEMM rate + Alg. 1 + sealing + copying, and
   ``fraction_of_floor`` = floor_seconds / measured seconds per round (1.0 would be a round at the floor).
+
+Two cases for FDML, side by side (``trained_lr``): the config as given (FDML's lr 1e-4 by default, at
+which the embedding network barely moves in a warm-up of tens of rounds, so the timed rounds see an
+untrained network's embeddings: every triplet active), and under ``"trained"`` the same bench with
+``fdml.lr`` set to ``trained_lr`` for the warm-up and the timed rounds (3e-3, the repository's FDML
+configs', by default from ``fedveil bench rounds``): the case a user's training runs, on embeddings
+that have spread out, part of the triplets inactive. The peak GEMM, AES-GCM and memcpy rates are
+measured once for both.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from fedveil.core.heap import retain_freed_memory
+from fedveil.enclave.triplet import TripletResult, loss_and_derivatives
 from fedveil.errors import ConfigError
+from fedveil.experiments.bench.enclave import cohort_embeddings
 from fedveil.experiments.bench.floor import peak_gemm_flops_per_second
-from fedveil.experiments.config import load_config
+from fedveil.experiments.config import ExperimentConfig, load_config
 from fedveil.experiments.fdml.runner import EMBEDDING_DIM, build_population, build_trainer
 from fedveil.runtime.threads import thread_settings
 
@@ -52,23 +67,54 @@ def bench_rounds(
     profile: bool = False,
     warmup: int = 60,
     protocol: str = "fdml",
+    trained_lr: float | None = None,
 ) -> dict[str, Any]:
     """Median rounds per second of ``protocol`` (``fdml`` or ``fedavg``, FL-traditional) over ``repeats``
     timed blocks of ``rounds`` rounds each, after ``warmup`` untimed training rounds; ``profile`` adds one
     more block of ``rounds`` rounds under cProfile and reports seconds per round by phase.
 
     The warm-up matters: Alg. 1's cost depends on the embeddings. From the initial model every valid
-    triplet is active and the enclave's step 5 is cheapest; after some 30-50 rounds of training the
-    embeddings spread out, part of the triplets fall inactive, and step 5 settles at its long-run cost.
+    triplet is active; once training has spread the embeddings part of the triplets fall inactive and
+    more pairs are close against their norms. At the config's learning rate (FDML's 1e-4) tens of
+    rounds do not get there; ``trained_lr`` (FDML only) adds the case that does, under ``"trained"``: the
+    same fields, with ``fdml.lr`` = ``trained_lr`` for the warm-up and the timed rounds (module docstring).
     """
     if protocol not in PROTOCOL_PHASES:
         raise ConfigError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOL_PHASES)}")
+    if trained_lr is not None and (protocol != "fdml" or not trained_lr > 0):
+        raise ConfigError(
+            f"trained_lr {trained_lr!r}: the trained case is FDML's (Alg. 1 on trained embeddings) and its "
+            f"learning rate must be > 0; protocol is {protocol!r}"
+        )
     torch.set_num_threads(threads)
     retain_freed_memory()
-    cfg = load_config(None, [f"protocol={protocol}", f"runtime.batched={str(batched).lower()}", *overrides])
+    settings = [f"protocol={protocol}", f"runtime.batched={str(batched).lower()}", *overrides]
+    cfg = load_config(None, settings)
     population = build_population(cfg)
+    rates = _machine_rates(threads)
+    case = {"rounds": rounds, "repeats": repeats, "threads": threads, "profile": profile, "warmup": warmup}
+    row = _bench_case(cfg, population, rates, **case)
+    if trained_lr is not None:
+        trained = load_config(None, [*settings, f"fdml.lr={trained_lr}"])
+        row["trained"] = _bench_case(trained, population, rates, **case)
+    return row
+
+
+def _bench_case(
+    cfg: ExperimentConfig,
+    population: Any,
+    rates: dict[str, float],
+    *,
+    rounds: int,
+    repeats: int,
+    threads: int,
+    profile: bool,
+    warmup: int,
+) -> dict[str, Any]:
+    """:func:`bench_rounds`'s fields for one config: a fresh trainer, warmed up, timed, floored."""
+    protocol = cfg.protocol
     trainer = build_trainer(cfg, population)
-    rates: list[float] = []
+    per_block: list[float] = []
     warm: dict[str, Any] = {}
 
     async def go() -> None:
@@ -83,7 +129,7 @@ def bench_rounds(
             for _ in range(rounds):
                 await trainer.server.run_round(rnd, trainer.runtime)
                 rnd += 1
-            rates.append(rounds / (time.perf_counter() - start))
+            per_block.append(rounds / (time.perf_counter() - start))
         warm["stats"] = _stats_minus(trainer.runtime.stats().copy(), warm["stats"])
         if profile:
             warm["profile"] = await _profile_rounds(trainer, rnd, rounds, protocol)
@@ -92,40 +138,55 @@ def bench_rounds(
         asyncio.run(go())
     finally:
         trainer.close()
+    alg1 = None
+    if protocol == "fdml":
+        participants, samples = cfg.fdml.num_required, cfg.fdml.samples_per_client
+        x, labels = cohort_embeddings(
+            population,
+            trainer.embed_flat,
+            trainer.embedding_weights(),
+            participants,
+            samples,
+            np.random.default_rng([cfg.seed, 3]),
+        )
+        alg1 = functools.partial(
+            loss_and_derivatives, x, labels, margin=cfg.fdml.margin, strategy=cfg.fdml.strategy
+        )
+    else:
+        participants, samples = cfg.fedavg.clients_per_round, cfg.fedavg.samples_per_client
     timed = rounds * repeats
-    rate = statistics.median(rates)
+    rate = statistics.median(per_block)
     bytes_up = warm["stats"].bytes_up / timed
     bytes_down = warm["stats"].bytes_down / timed
     coded_down = warm["stats"].bytes_down_coded / timed
     if protocol == "fdml":
-        participants, samples = cfg.fdml.num_required, cfg.fdml.samples_per_client
         # sealed: what devices upload (embeddings, gradients) and the derivatives sent back, each byte
         # sealed once and opened once; the weights broadcast travels in plaintext
         sealed = bytes_up + participants * samples * EMBEDDING_DIM * 4
         sealed_bytes = 2 * sealed if cfg.enclave.boundary != "none" else 0.0
     else:
-        participants, samples = cfg.fedavg.clients_per_round, cfg.fedavg.samples_per_client
         sealed_bytes = 0.0  # FL-traditional has no enclave
     floor = _floor(
         flops=warm["flops"],
-        embeddings=participants * samples if protocol == "fdml" else 0,
+        alg1=alg1,
         sealed_bytes=sealed_bytes,
         # every distinct message written once and read once, and the aggregation's read of every upload
         # (Eq. 2 in the enclave, FedAvg's average on the server)
         copied_bytes=2 * (bytes_up + coded_down) + bytes_up,
-        threads=threads,
+        rates=rates,
     )
     return {
         "protocol": protocol,
         "enclave_boundary": cfg.enclave.boundary if protocol == "fdml" else "none",
         "participants": participants,
         "samples": samples,
-        "batched": batched,
+        "lr": cfg.fdml.lr if protocol == "fdml" else cfg.fedavg.lr,
+        "batched": cfg.runtime.batched,
         "threads": threads,
         "thread_settings": thread_settings(),
         "warmup_rounds": warmup,
         "rounds_per_second": rate,
-        "rounds_per_second_runs": rates,
+        "rounds_per_second_runs": per_block,
         "seconds_for_15000_rounds": 15000 / rate,
         "bytes_up_per_round": bytes_up,
         "bytes_down_per_round": bytes_down,
@@ -167,10 +228,15 @@ PHASES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 #: Phases of an FL-traditional round: the devices' local step (each device's sampling included), FedAvg's
-#: weighted average and the codec; ``other`` is selection, validation and Python.
+#: weighted average (the running sum each accepted upload is folded into, and its one division) and the
+#: codec; ``other`` is selection, validation and Python.
 FEDAVG_PHASES: dict[str, tuple[tuple[str, str], ...]] = {
     "device_step": (("protocols/fedavg.py", "_train"),),
-    "aggregation": (("core/aggregation.py", "weighted_average"),),
+    "aggregation": (
+        ("core/aggregation.py", "weighted_average"),
+        ("core/aggregation.py", "add"),
+        ("core/aggregation.py", "result"),
+    ),
     "codec": (("core/codec.py", "encode"), ("core/codec.py", "decode")),
 }
 
@@ -272,40 +338,50 @@ def _median_seconds(fn: Any, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def _floor(
-    *, flops: float, embeddings: int, sealed_bytes: float, copied_bytes: float, threads: int
-) -> dict[str, float]:
-    """The floor's parts, each measured here (module docstring); no Alg. 1 without ``embeddings`` (FedAvg)."""
+def _machine_rates(threads: int) -> dict[str, float]:
+    """The machine's rates under the floor, measured here: the peak GEMM (GFLOP/s on ``threads`` torch
+    threads), AES-256-GCM sealing and memcpy (bytes per second)."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-    from fedveil.enclave.triplet import loss_and_derivatives
 
     torch.set_num_threads(threads)
     peak = peak_gemm_flops_per_second(threads) / 1e9
-    rng = np.random.default_rng(0)
-    emb = rng.normal(size=(embeddings, 64)).astype(np.float32)
-    labels = np.repeat(np.arange(embeddings // 8 or 1), 8)[:embeddings]
-    alg1 = (
-        _median_seconds(lambda: loss_and_derivatives(emb, labels, margin=1.0, strategy="batch-all"))
-        if embeddings
-        else 0.0
-    )
     block = os.urandom(2**20)
     aes, nonce = AESGCM(os.urandom(32)), os.urandom(12)
     aes_rate = len(block) / _median_seconds(lambda: aes.encrypt(nonce, block, None))
     big = np.ones(2**24, dtype=np.uint8)
     copy_rate = big.nbytes / _median_seconds(lambda: big.copy())
-    parts = {
-        "device_flops_per_round": flops,
+    return {
         "peak_gemm_gflops": peak,
-        "device_seconds_at_peak": flops / (peak * 1e9),
-        "alg1_seconds": alg1,
-        "sealed_bytes_per_round": sealed_bytes,
         "aes_gcm_bytes_per_second": aes_rate,
-        "copied_bytes_per_round": copied_bytes,
         "memcpy_bytes_per_second": copy_rate,
     }
+
+
+def _floor(
+    *,
+    flops: float,
+    alg1: Callable[[], TripletResult] | None,
+    sealed_bytes: float,
+    copied_bytes: float,
+    rates: dict[str, float],
+) -> dict[str, Any]:
+    """The floor's parts (module docstring) at the measured ``rates`` (:func:`_machine_rates`), with
+    ``alg1`` (Alg. 1 on a round's embeddings; None: no enclave, FedAvg) timed here."""
+    alg1_seconds = _median_seconds(alg1) if alg1 is not None else 0.0
+    active = alg1().active_fraction if alg1 is not None else None
+    parts = {
+        **rates,
+        "device_flops_per_round": flops,
+        "device_seconds_at_peak": flops / (rates["peak_gemm_gflops"] * 1e9),
+        "alg1_seconds": alg1_seconds,
+        "alg1_active_fraction": active,
+        "sealed_bytes_per_round": sealed_bytes,
+        "copied_bytes_per_round": copied_bytes,
+    }
     parts["floor_seconds"] = (
-        parts["device_seconds_at_peak"] + alg1 + sealed_bytes / aes_rate + copied_bytes / copy_rate
+        parts["device_seconds_at_peak"]
+        + alg1_seconds
+        + sealed_bytes / rates["aes_gcm_bytes_per_second"]
+        + copied_bytes / rates["memcpy_bytes_per_second"]
     )
     return parts
