@@ -1,8 +1,9 @@
 """``fedveil bench BENCH ...``: speed and memory benchmarks, printed as a table or ``--json``.
 
 ``fedveil bench enclave --participants 64,128,256,512 --samples 8 --dim 64 --strategy batch-all
-[--repeats 5] [--seed 0] [--margin 1.0] [--json]`` times FDML Alg. 1 in the enclave beside the paper's
-Table V (:mod:`fedveil.experiments.bench.enclave`).
+[--repeats 5] [--seed 0] [--margin 1.0] [--embeddings both] [--json]`` times FDML Alg. 1 in the enclave
+beside the paper's Table V, on synthetic embeddings and on those of a short FDML run's trained network
+(:mod:`fedveil.experiments.bench.enclave`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from fedveil.enclave.triplet import DEFAULT_MEMORY_LIMIT_BYTES, STRATEGIES
 from fedveil.errors import ConfigError
+from fedveil.experiments.bench.enclave import TRAINED_LR, TRAINED_ROUNDS
 from fedveil.experiments.fdml.triplet_reference import REFERENCE_MEMORY_BYTES
 from fedveil.models.device import check_device_spec, resolve_device
 
@@ -106,8 +108,49 @@ def _add_enclave(sub: Any) -> None:
         help="none: Alg. 1 called directly; process/inprocess: through the emulated TEE (sealing, "
         "framing, IPC, the enclave's memory metering) beside the direct call",
     )
+    p.add_argument(
+        "--embeddings",
+        choices=("both", "synthetic", "trained"),
+        default="both",
+        help="synthetic: clustered unit vectors, --dim wide; trained: the network of a short FDML run "
+        "(--train-rounds at --train-lr) embedding --samples training samples of each of --participants "
+        "users (64 wide: --dim must be 64); both (default): a row of each, side by side",
+    )
+    p.add_argument(
+        "--train-rounds",
+        type=int,
+        default=TRAINED_ROUNDS,
+        help=f"rounds of the FDML run behind trained embeddings (default {TRAINED_ROUNDS})",
+    )
+    p.add_argument(
+        "--train-lr",
+        type=float,
+        default=TRAINED_LR,
+        help=f"its learning rate (default {TRAINED_LR:g}, configs/table1_fdml.yaml's)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override of that FDML run (e.g. data.train_users_per_model=[6, 6])",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.set_defaults(bench_func=_run_enclave)
+
+
+def _embedding_sources(args: argparse.Namespace) -> list[Any]:
+    """The sources ``--embeddings`` names; a trained source builds its population (and checks the sizes)
+    here, and trains at its first draw."""
+    from fedveil.experiments.bench.enclave import SYNTHETIC, TrainedEmbeddings
+
+    sources: list[Any] = [SYNTHETIC] if args.embeddings in ("both", "synthetic") else []
+    if args.embeddings in ("both", "trained"):
+        trained = TrainedEmbeddings(args.overrides, rounds=args.train_rounds, lr=args.train_lr)
+        trained.check(args.participants, args.samples, args.dim)
+        sources.append(trained)
+    return sources
 
 
 def _run_enclave(args: argparse.Namespace) -> int:
@@ -130,6 +173,7 @@ def _run_enclave(args: argparse.Namespace) -> int:
         reference_limit=int(args.reference_limit_mib * 2**20),
         margin=args.margin,
         memory_limit_bytes=int(args.memory_limit_mib * 2**20),
+        sources=_embedding_sources(args),
     )
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -138,13 +182,23 @@ def _run_enclave(args: argparse.Namespace) -> int:
         f"FDML Alg. 1, {args.strategy}, margin {args.margin}, "
         f"{args.samples} samples per participant, {args.dim} dims, float32"
     )
-    header = ("participants", "embeddings", "ours (s)", "paper (s)", "peak (MiB)", "active", "max rel err")
+    header = (
+        "participants",
+        "source",
+        "embeddings",
+        "ours (s)",
+        "paper (s)",
+        "peak (MiB)",
+        "active",
+        "max rel err",
+    )
     print("  ".join(f"{h:>12}" for h in header))
     for r in rows:
         paper = "-" if r["paper_seconds"] is None else f"{r['paper_seconds']:.2f}"
         err = "skipped" if r["max_rel_err"] is None else f"{r['max_rel_err']:.1e}"
         cells = (
             str(r["participants"]),
+            r["source"],
             str(r["embeddings"]),
             f"{r['seconds']:.4f}",
             paper,
@@ -169,6 +223,7 @@ def _run_boundary(args: argparse.Namespace) -> int:
         boundary=args.boundary,
         margin=args.margin,
         memory_limit_bytes=int(args.memory_limit_mib * 2**20),
+        sources=_embedding_sources(args),
     )
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -176,6 +231,7 @@ def _run_boundary(args: argparse.Namespace) -> int:
     print(f"FDML Alg. 1 through the emulated TEE ({args.boundary}), {args.strategy}, float32")
     header = (
         "participants",
+        "source",
         "direct (s)",
         "boundary (s)",
         "overhead",
@@ -188,6 +244,7 @@ def _run_boundary(args: argparse.Namespace) -> int:
         paper = "-" if r["paper_table_v_s"] is None else f"{r['paper_table_v_s']:.2f}"
         cells = (
             str(r["participants"]),
+            r["source"],
             f"{r['direct_s']:.4f}",
             f"{r['boundary_s']:.4f}",
             f"{100 * r['overhead']:+.0f}%",
@@ -214,6 +271,14 @@ def _add_rounds(sub: Any) -> None:
         type=int,
         default=60,
         help="untimed training rounds first, so that Alg. 1 runs at its long-run cost (default 60)",
+    )
+    p.add_argument(
+        "--trained-lr",
+        type=float,
+        default=None,
+        help="FDML: the learning rate of a second case beside the config's (FDML's 1e-4, at which the "
+        "warm-up leaves the network untrained): warm-up and timed rounds at this rate see trained "
+        f"embeddings (default {TRAINED_LR:g}, configs/table1_fdml.yaml's)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument(
@@ -250,21 +315,25 @@ def _run_rounds(args: argparse.Namespace) -> int:
         profile=args.profile,
         warmup=args.warmup,
         protocol=args.protocol,
+        trained_lr=TRAINED_LR if args.trained_lr is None and args.protocol == "fdml" else args.trained_lr,
     )
     row["device"] = str(resolve_device(args.device))
     if args.json:
         print(json.dumps(row, indent=2))
-    else:
-        name = "FDML" if args.protocol == "fdml" else "FL-traditional"
-        print(
-            f"{name} rounds/s: {row['rounds_per_second']:.2f} (median of {row['rounds_per_second_runs']}); "
-            f"15,000 rounds take {row['seconds_for_15000_rounds'] / 60:.0f} min; "
-            f"{row['bytes_up_per_round'] / 2**20:.1f} MiB up, "
-            f"{row['bytes_down_per_round'] / 2**20:.1f} MiB down per round; "
-            f"device {row['device_flops_per_round'] / 1e9:.1f} GFLOP per round at "
-            f"{row['device_gflops_achieved']:.0f} GFLOP/s (peak GEMM {row['peak_gemm_gflops']:.0f}); "
-            f"floor {row['floor_seconds']:.3f} s, fraction of floor {row['fraction_of_floor']:.2f}"
-        )
+        return 0
+    name = "FDML" if args.protocol == "fdml" else "FL-traditional"
+    for label, case in (("the config's", row), ("trained", row.get("trained"))):
+        if case is not None:
+            print(
+                f"{name}, {label} lr {case['lr']:g}: {case['rounds_per_second']:.2f} rounds/s (median of "
+                f"{case['rounds_per_second_runs']}); 15,000 rounds take "
+                f"{case['seconds_for_15000_rounds'] / 60:.0f} min; {case['bytes_up_per_round'] / 2**20:.1f} "
+                f"MiB up, {case['bytes_down_per_round'] / 2**20:.1f} MiB down per round; device "
+                f"{case['device_flops_per_round'] / 1e9:.1f} GFLOP per round at "
+                f"{case['device_gflops_achieved']:.0f} GFLOP/s (peak GEMM {case['peak_gemm_gflops']:.0f}); "
+                f"Alg. 1 {case['alg1_seconds']:.4f} s; floor {case['floor_seconds']:.3f} s, fraction of "
+                f"floor {case['fraction_of_floor']:.2f}"
+            )
     return 0
 
 
