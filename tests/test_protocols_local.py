@@ -238,3 +238,15 @@ def test_the_cohort_trains_a_handed_over_matrix_in_place() -> None:
     p, losses = local_train_cohort(loss, owned, stacked, opt, opt.lr, inplace=True)
     assert p.data_ptr() == owned.data_ptr() and not torch.equal(owned, starts)
     assert torch.equal(p, copied) and torch.equal(losses, copied_losses)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_loss_whose_gradient_is_a_broadcast_still_steps(eager: bool) -> None:
+    """``p.sum() * c`` has the gradient ``c`` broadcast over ``p`` (one value, not a vector): the in-place
+    step still applies it, to every entry."""
+    p0 = torch.zeros(5)
+    batches = [(torch.tensor([2.0]),), (torch.tensor([4.0]),)]
+    p, mean_loss = local_train(
+        lambda p, c: p.sum() * c[0], p0, batches, LocalOptimizer(lr=0.5), 0.5, eager=eager
+    )
+    assert torch.equal(p, torch.full((5,), -3.0)) and float(mean_loss) == -10.0

@@ -184,11 +184,13 @@ def _loop(
 
 
 def _flat_gradients(step: Callable[..., tuple[torch.Tensor, torch.Tensor]], p: torch.Tensor) -> Gradients:
-    """:data:`Gradients` of the flat vector ``p`` from ``step(p, *batch) -> (gradient, loss)``."""
+    """:data:`Gradients` of the flat vector ``p`` from ``step(p, *batch) -> (gradient, loss)``. A gradient
+    that is a broadcast of fewer values (a loss linear in ``p``, as ``p.sum()``) is written out first, so
+    the step can overwrite it."""
 
     def gradients(*batch: torch.Tensor) -> tuple[Sequence[torch.Tensor], torch.Tensor]:
         g, value = step(p, *batch)
-        return (g,), value
+        return (g.contiguous(),), value
 
     return gradients
 
