@@ -1,7 +1,8 @@
 """Training on a CUDA device gives the CPU's numbers to float32 rounding (``pytest -m gpu``; every test here
 is skipped, saying so, where torch sees no CUDA device; ``scripts/gpu-check`` runs them on a GPU machine):
 the FedAvg engine (client data moved once), FDML's devices and rounds (the enclave still given host
-arrays), FedUV's users, AIoT's devices, PPFL's REEs and DLG.
+arrays), FedUV's users, AIoT's pre-training, devices and evaluation, PPFL's REEs and emulated client
+TEEs (which seal host arrays), DLG, and ``bench scale`` and ``bench peers``' fedveil rows.
 
 Not bit for bit: cuBLAS and cuDNN pick other kernels than the CPU's (other summation orders, fused
 multiply-adds, TF32 where allowed), so each float32 result differs in its last bits, and the differences
@@ -38,10 +39,14 @@ from fedveil.core.attestation_verify import EnclaveClientSession
 from fedveil.data.faces import face_devices, synthetic_faces
 from fedveil.data.images import synthetic_fashion_mnist
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv
+from fedveil.experiments.aiot.faces_domain import embed_faces, train_faces
+from fedveil.experiments.bench.peers import bench_peers
+from fedveil.experiments.bench.scale import measure_setting, scale_clients
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.runner import build_clients, build_population
 from fedveil.experiments.fedavg_images import split_images
 from fedveil.experiments.ppfl.runner import load_ppfl_run, train_ppfl
+from fedveil.models.device import module_device
 from fedveil.models.faces import MobileFaceNet
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
@@ -49,6 +54,7 @@ from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServe
 from fedveil.protocols.feduv import SoftmaxMethod, SoftmaxServer, UvClients, UvModel, UvTrainConfig
 from fedveil.protocols.local import LocalOptimizer
 from fedveil.protocols.messages import BackpropRequest, EmbedRequest, FitRequest
+from fedveil.protocols.ppfl import PpflClients
 from fedveil.protocols.projector import ProjectorClients, backbone_flat
 from fedveil.runtime.simulation import SimulationRuntime
 
@@ -269,7 +275,21 @@ def test_feduv_users_train_on_cuda_as_on_the_cpu(batched: bool) -> None:
     _close(weights["cpu"], weights["cuda"])
 
 
-def test_ppfl_rees_on_cuda_release_the_cpus_layers() -> None:
+@pytest.mark.parametrize("batched", [True, False])
+def test_ppfl_rees_and_tees_on_cuda_release_the_cpus_layers(
+    batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The REEs' frozen layers and the emulated TEEs' training on cuda (the cohort's vectorised step, or
+    each TEE's own): the released layers are the CPU's, each TEE seals host arrays."""
+    monkeypatch.setattr(PpflClients, "_batched", lambda self, stage: batched)
+    sealed: list[type] = []
+    original = EnclaveClientSession.seal_update
+
+    def spy(self: Any, rnd: int, values: Any, *a: Any, **k: Any) -> Any:
+        sealed.append(type(values))
+        return original(self, rnd, values, *a, **k)
+
+    monkeypatch.setattr(EnclaveClientSession, "seal_update", spy)
     released = {}
     for device in ("cpu", "cuda"):
         overrides = {
@@ -287,6 +307,56 @@ def test_ppfl_rees_on_cuda_release_the_cpus_layers() -> None:
             assert pool._on_device[cid] and all(
                 p.is_cuda for unit in pool._on_device[cid] for p in unit.parameters()
             )
+            assert all(tee.device.type == "cuda" for tee in pool.tees.values())
+            assert all(module_device(pool.net(s)).type == "cuda" for s in range(len(pool.stages)))
         assert all(not p.is_cuda for unit in pool.frozen[cid] for p in unit.parameters())
         released[device] = torch.cat([p.flatten() for unit in pool.frozen[cid] for p in unit.parameters()])
     _close(released["cpu"].numpy(), released["cuda"].numpy())
+    assert sealed and set(sealed) == {np.ndarray}
+
+
+def test_aiot_pre_training_and_evaluation_on_cuda_follow_the_cpus() -> None:
+    """Pre-training (:func:`train_faces`: Adam, which moves every coordinate by about ``lr`` a step
+    whatever its gradient, so at ``lr`` 1e-5 for 3 steps the paths stay within the tolerance) from the
+    same start, then the evaluation's embeddings of one network on each device."""
+    faces, _ = synthetic_faces(8, 2, size=32, seed=0)
+    trained = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = MobileFaceNet(image_size=32, width=0.25)
+        train_faces(model, faces, epochs=1, lr=1e-5, batch_size=8, seed=0, progress=False, device=device)
+        assert module_device(model).type == device
+        trained[device] = torch.cat(
+            [v.detach().float().reshape(-1).cpu() for v in model.state_dict().values()]
+        )
+    _close(trained["cpu"].numpy(), trained["cuda"].numpy())
+    torch.manual_seed(0)
+    model = MobileFaceNet(image_size=32, width=0.25)
+    on_cpu = embed_faces(model, faces.x)
+    on_cuda = embed_faces(model.to("cuda"), faces.x)
+    assert isinstance(on_cuda, np.ndarray)
+    _close(on_cpu, on_cuda)
+
+
+def test_bench_scale_clients_train_on_cuda_as_on_the_cpu() -> None:
+    pool = scale_clients(20, 5, seed=0, device="cuda")
+    assert next(pool.flat.module.parameters()).is_cuda
+    setting: dict[str, Any] = dict(clients=20, per_round=4, rounds=2, samples=5, actors=0, seed=0, threads=1)
+    rows = {d: measure_setting(**setting, device=d) for d in ("cpu", "cuda")}
+    assert rows["cuda"]["device"] == "cuda" and rows["cpu"]["device"] == "cpu"
+    assert rows["cuda"]["accuracy"] == pytest.approx(rows["cpu"]["accuracy"], abs=0.01)
+
+
+def test_bench_peers_fedveil_row_on_cuda(tmp_path: Path) -> None:
+    result = bench_peers(
+        frameworks=["fedveil"],
+        cohorts=[4],
+        rounds=1,
+        clients=20,
+        samples=5,
+        threads=1,
+        out=tmp_path,
+        device="cuda",
+    )
+    (row,) = result["rows"]
+    assert row["device"] == "cuda" and row["framework"] == "fedveil" and 0 <= row["accuracy"] <= 1
