@@ -29,16 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from numpy.typing import ArrayLike
 from torch import nn
+from tqdm import tqdm
 
 from fedveil.attacks.scores import (
+    FPR_TARGETS,
     AttackScores,
+    JsonScalar,
     as_binary_labels,
     as_examples,
     check_labels_fit,
@@ -49,9 +52,25 @@ from fedveil.attacks.views import ObserverView, require_model_view
 from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError, ValidationError
 
-__all__ = ["TrainFn", "lira_attack", "lira_scores", "lira_variants", "logit_confidence"]
+__all__ = [
+    "PhiFn",
+    "SubsetTrainFn",
+    "TrainFn",
+    "check_lira_settings",
+    "lira_attack",
+    "lira_reports",
+    "lira_scores",
+    "lira_variants",
+    "logit_confidence",
+    "logit_margin",
+    "shadow_phis",
+]
 
 TrainFn = Callable[[torch.Tensor, torch.Tensor, int], nn.Module]
+PhiFn = Callable[[nn.Module], np.ndarray]
+"""A model's attack statistic per candidate, ``(n,)`` or ``(n, q)`` (``q`` queries per candidate)."""
+SubsetTrainFn = Callable[[np.ndarray, int], nn.Module]
+"""``train_subset(inside, seed)``: a shadow trained on the candidates where ``inside`` ``(n,)`` holds."""
 Augmentation = Callable[[torch.Tensor], torch.Tensor]
 
 _MIN_STD = 1e-6
@@ -63,12 +82,18 @@ def logit_confidence(
 ) -> np.ndarray:
     """LiRA's ``phi = z_y - logsumexp_{j != y} z_j = log(p_y / (1 - p_y))`` per example, ``(n,)``."""
     xt, yt = as_examples(x, y)
-    logits = model_logits(model, xt, batch_size=batch_size).double()
-    check_labels_fit(logits, yt)
+    return logit_margin(model_logits(model, xt, batch_size=batch_size), yt)
+
+
+def logit_margin(logits: torch.Tensor, y: torch.Tensor) -> np.ndarray:
+    """``z_y - logsumexp_{j != y} z_j`` per row of ``logits`` ``(n, classes)`` for labels ``y`` ``(n,)``
+    int64, in float64: the logit-scaled confidence ``log(p_y / (1 - p_y))`` of ``p = softmax(z)``."""
+    logits = logits.double()
+    check_labels_fit(logits, y)
     if logits.shape[1] < 2:
         raise ValidationError(f"LiRA needs a classifier with at least 2 classes, got {logits.shape[1]}")
-    true_logit = logits.gather(1, yt[:, None]).squeeze(1)
-    others = logits.scatter(1, yt[:, None], float("-inf"))
+    true_logit = logits.gather(1, y[:, None]).squeeze(1)
+    others = logits.scatter(1, y[:, None], float("-inf"))
     return (true_logit - torch.logsumexp(others, dim=1)).numpy()
 
 
@@ -217,6 +242,104 @@ def lira_attack(
     )[variant]
 
 
+def check_lira_settings(num_shadow: object, variants: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` unless ``variants`` are among ``"online"``, ``"offline"`` and
+    ``num_shadow`` is an integer large enough for them (online: two IN and two OUT models per example, so
+    ``>= 4``; offline ``>= 3``)."""
+    unknown = [v for v in variants if v not in ("online", "offline")]
+    if unknown or not variants:
+        raise ConfigError(f"LiRA variants {list(variants)!r} must be among online, offline")
+    least = 4 if "online" in variants else 3
+    if isinstance(num_shadow, bool) or not isinstance(num_shadow, (int, np.integer)) or num_shadow < least:
+        kind = "online" if "online" in variants else "offline"
+        raise ConfigError(
+            f"num_shadow must be an integer >= {least} for {kind} LiRA "
+            f"(at least two {'IN and two ' if kind == 'online' else ''}OUT models per example), "
+            f"got {num_shadow!r}"
+        )
+
+
+def shadow_phis(
+    n: int,
+    phi: PhiFn,
+    train_subset: SubsetTrainFn,
+    *,
+    rng: np.random.Generator,
+    num_shadow: int,
+    fingerprint: str = "",
+    cache: Path | None = None,
+    progress: bool = False,
+    what: str = "example",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Train ``num_shadow`` shadow models on random halves of ``n`` candidates and measure each.
+
+    Each candidate is IN exactly ``floor(num_shadow / 2)`` shadows (the halves and one seed per shadow are
+    drawn from ``rng``); ``train_subset(inside, seed)`` trains a shadow on the candidates where the bool
+    mask ``inside`` ``(n,)`` holds, and ``phi(model)`` returns its statistic ``(n,)`` or ``(n, q)``. Returns
+    ``(shadow_phi (S, n, q), shadow_in (S, n))``. With a ``cache`` folder, each shadow's phis are written
+    to ``cache/shadow<s>.npz`` (with its IN mask, its seed and ``fingerprint``, which must identify the
+    candidates and the statistic) as soon as it is trained, and a rerun drawing the same halves from the
+    same ``rng`` reads them instead of training again; a file that does not match is refused. ``what``
+    names a candidate in errors (an example, a user); ``progress`` shows a bar over the shadows.
+    """
+    shadows = int(num_shadow)
+    shadow_in = rng.uniform(size=(shadows, n)).argsort(axis=0) < shadows // 2
+    seeds = rng.integers(2**31 - 1, size=shadows)
+    measured = []
+    for s in tqdm(range(shadows), desc="LiRA shadow models", disable=not progress):
+        if not shadow_in[s].any():
+            raise ValidationError(f"LiRA: shadow model {s} drew no training {what}; give more candidates")
+        saved = _cached_phi(cache, s, shadow_in[s], int(seeds[s]), fingerprint)
+        if saved is not None:
+            measured.append(saved)
+            continue
+        model = train_subset(shadow_in[s], int(seeds[s]))
+        if not isinstance(model, nn.Module):
+            raise ValidationError(
+                f"LiRA: the shadow trainer must return a torch.nn.Module, got {type(model).__name__}"
+            )
+        values = np.asarray(phi(model), dtype=np.float64)
+        measured.append(values[:, None] if values.ndim == 1 else values)
+        if cache is not None:
+            cache.mkdir(parents=True, exist_ok=True)
+            buf = io.BytesIO()
+            np.savez(buf, phi=measured[-1], inside=shadow_in[s], seed=seeds[s], fingerprint=fingerprint)
+            atomic_write(cache / f"shadow{s}.npz", buf.getvalue())
+    return np.stack(measured), shadow_in
+
+
+def lira_reports(
+    target_phi: ArrayLike,
+    shadow_phi: np.ndarray,
+    shadow_in: np.ndarray,
+    is_member: np.ndarray,
+    *,
+    variants: Sequence[str] = ("online", "offline"),
+    global_variance: bool | None = None,
+    name: str = "lira",
+    fpr_targets: Sequence[float] = FPR_TARGETS,
+    details: Mapping[str, JsonScalar] | None = None,
+) -> dict[str, AttackScores]:
+    """``{variant: report}``: :func:`lira_scores` of ``target_phi`` against the shadows, scored against
+    ``is_member`` (the online test at its own threshold 0, the offline one threshold-free).
+    ``global_variance=None`` pools the variance below 64 shadow models (:func:`lira_attack`)."""
+    shadows = shadow_phi.shape[0]
+    pooled = bool(shadows < _GLOBAL_VARIANCE_BELOW) if global_variance is None else bool(global_variance)
+    reports = {}
+    for variant in variants:
+        online = variant == "online"
+        scores = lira_scores(target_phi, shadow_phi, shadow_in, online=online, global_variance=pooled)
+        reports[variant] = score_attack(
+            f"{name}_{variant}",
+            scores,
+            is_member,
+            threshold=0.0 if online else None,
+            fpr_targets=fpr_targets,
+            details={"num_shadow": shadows, "global_variance": pooled, **(details or {})},
+        )
+    return reports
+
+
 def lira_variants(
     target: ObserverView,
     x: ArrayLike | torch.Tensor,
@@ -231,6 +354,7 @@ def lira_variants(
     augmentations: Sequence[Augmentation] | None = None,
     batch_size: int = 1024,
     cache: Path | None = None,
+    progress: bool = False,
 ) -> dict[str, AttackScores]:
     """:func:`lira_attack` for several ``variants`` (``"online"``, ``"offline"``) from one set of shadow
     models (the offline test uses the OUT models the online one trains anyway): ``{variant: report}``.
@@ -238,24 +362,14 @@ def lira_variants(
     With a ``cache`` folder, each shadow model's phis are written to ``cache/shadow<s>.npz`` (with its IN
     mask, its seed and a fingerprint of the population) as soon as it is trained, and a rerun drawing the
     same halves from the same ``rng`` reads them instead of training again: a long attack resumes where it
-    was cut off. A file that does not match (another population, rng or number of queries) is refused."""
+    was cut off. A file that does not match (another population, rng or number of queries) is refused.
+    ``progress`` shows a bar over the shadow models."""
     view = require_model_view(target, "LiRA")
     xt, yt = as_examples(x, y)
     truth = as_binary_labels(is_member, xt.shape[0], name="is_member")
     if not callable(train_fn):
         raise ConfigError(f"train_fn must be callable as train_fn(x, y, seed) -> nn.Module, got {train_fn!r}")
-    unknown = [v for v in variants if v not in ("online", "offline")]
-    if unknown or not variants:
-        raise ConfigError(f"LiRA variants {list(variants)!r} must be among online, offline")
-    least = 4 if "online" in variants else 3
-    if isinstance(num_shadow, bool) or not isinstance(num_shadow, (int, np.integer)) or num_shadow < least:
-        kind = "online" if "online" in variants else "offline"
-        raise ConfigError(
-            f"num_shadow must be an integer >= {least} for {kind} LiRA "
-            f"(at least two {'IN and two ' if kind == 'online' else ''}OUT models per example), "
-            f"got {num_shadow!r}"
-        )
-    pooled = bool(num_shadow < _GLOBAL_VARIANCE_BELOW) if global_variance is None else bool(global_variance)
+    check_lira_settings(num_shadow, variants)
     queries = list(augmentations) if augmentations is not None else [lambda batch: batch]
     if not queries or not all(callable(q) for q in queries):
         raise ConfigError("augmentations must be a non-empty sequence of callables x -> x (or None)")
@@ -271,44 +385,25 @@ def lira_variants(
             columns.append(logit_confidence(model, queried, yt, batch_size=batch_size))
         return np.stack(columns, axis=1)
 
-    n, shadows = xt.shape[0], int(num_shadow)
-    shadow_in = rng.uniform(size=(shadows, n)).argsort(axis=0) < shadows // 2
-    seeds = rng.integers(2**31 - 1, size=shadows)
-    fingerprint = _fingerprint(xt, yt, len(queries))
-    shadow_phi = []
-    for s in range(shadows):
-        if not shadow_in[s].any():
-            raise ValidationError(
-                f"LiRA: shadow model {s} drew no training example; give a larger population"
-            )
-        saved = _cached_phi(cache, s, shadow_in[s], int(seeds[s]), fingerprint)
-        if saved is not None:
-            shadow_phi.append(saved)
-            continue
-        model = train_fn(xt[shadow_in[s]], yt[shadow_in[s]], int(seeds[s]))
-        if not isinstance(model, nn.Module):
-            raise ValidationError(f"LiRA: train_fn must return a torch.nn.Module, got {type(model).__name__}")
-        shadow_phi.append(phis(model))
-        if cache is not None:
-            cache.mkdir(parents=True, exist_ok=True)
-            buf = io.BytesIO()
-            np.savez(buf, phi=shadow_phi[-1], inside=shadow_in[s], seed=seeds[s], fingerprint=fingerprint)
-            atomic_write(cache / f"shadow{s}.npz", buf.getvalue())
-    target_phi, stacked = phis(view.model), np.stack(shadow_phi)
-    reports = {}
-    for variant in variants:
-        online = variant == "online"
-        scores = lira_scores(target_phi, stacked, shadow_in, online=online, global_variance=pooled)
-        reports[variant] = score_attack(
-            f"lira_{variant}",
-            scores,
-            truth,
-            threshold=0.0 if online else None,
-            details={
-                "num_shadow": shadows,
-                "global_variance": pooled,
-                "queries": len(queries),
-                "augmented": augmentations is not None,
-            },
-        )
-    return reports
+    def train_subset(inside: np.ndarray, seed: int) -> nn.Module:
+        return train_fn(xt[inside], yt[inside], seed)
+
+    shadow_phi, shadow_in = shadow_phis(
+        xt.shape[0],
+        phis,
+        train_subset,
+        rng=rng,
+        num_shadow=int(num_shadow),
+        fingerprint=_fingerprint(xt, yt, len(queries)),
+        cache=cache,
+        progress=progress,
+    )
+    return lira_reports(
+        phis(view.model),
+        shadow_phi,
+        shadow_in,
+        truth,
+        variants=variants,
+        global_variance=global_variance,
+        details={"queries": len(queries), "augmented": augmentations is not None},
+    )

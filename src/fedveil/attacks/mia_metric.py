@@ -21,12 +21,26 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from fedveil.attacks.scores import FPR_TARGETS, AttackScores, model_logits, score_attack
 from fedveil.attacks.views import ObserverView, require_model_view
 from fedveil.errors import ValidationError
 
-__all__ = ["metric_membership_attack", "user_spread"]
+__all__ = ["metric_membership_attack", "user_embeddings", "user_spread"]
+
+
+def user_embeddings(
+    model: nn.Module, samples: np.ndarray | torch.Tensor, *, batch_size: int = 1024
+) -> np.ndarray:
+    """The embeddings ``(U, S, d)`` float64 of ``samples`` ``(U, S, *input_shape)`` (``S >= 2`` samples of
+    each of ``U`` users) under ``model``."""
+    x = torch.as_tensor(np.asarray(samples, dtype=np.float32))
+    if x.ndim < 3 or x.shape[1] < 2:
+        raise ValidationError(f"samples must be (users, samples >= 2, ...), got shape {tuple(x.shape)}")
+    users, per_user = x.shape[:2]
+    emb = model_logits(model, x.reshape(users * per_user, *x.shape[2:]), batch_size=batch_size)
+    return emb.double().numpy().reshape(users, per_user, -1)
 
 
 def user_spread(
@@ -35,12 +49,7 @@ def user_spread(
     """The mean distance of each user's embeddings to their centroid, ``(U,)`` float64, for ``samples``
     ``(U, S, *input_shape)`` embedded by the network of ``view`` (a :class:`ModelView`)."""
     model = require_model_view(view, "metric membership inference").model
-    x = torch.as_tensor(np.asarray(samples, dtype=np.float32))
-    if x.ndim < 3 or x.shape[1] < 2:
-        raise ValidationError(f"samples must be (users, samples >= 2, ...), got shape {tuple(x.shape)}")
-    users, per_user = x.shape[:2]
-    emb = model_logits(model, x.reshape(users * per_user, *x.shape[2:]), batch_size=batch_size)
-    emb = emb.double().numpy().reshape(users, per_user, -1)
+    emb = user_embeddings(model, samples, batch_size=batch_size)
     return np.linalg.norm(emb - emb.mean(axis=1, keepdims=True), axis=2).mean(axis=1)
 
 

@@ -22,6 +22,10 @@
 - ``fedveil attack fdml-membership [--users 64] [--rounds 120] [--num-required 64] [--seed 0] [--out DIR]
   [--json]``: user-level membership inference against the FDML embedding network every selected device
   receives, beside the control (:func:`~fedveil.experiments.attacks.fdml_views.fdml_membership_table`).
+- ``fedveil attack fdml-lira [--users 200] [--shadows 16] [--rounds 100] [--devices 16] [--threads 1]
+  [--seed 0] [--out DIR] [--json]``: user-level LiRA (Carlini et al. 2022) against the FDML embedding
+  network, online and offline, beside a control trained on other users
+  (:func:`~fedveil.experiments.attacks.fdml_lira.fdml_lira_table`).
 - ``fedveil attack fdml-inversion [--cohorts 1,2,4] [--windows 2] [--iterations 400] [--seed 0] [--out DIR]
   [--json]``: gradient inversion of the touch windows of a round from the difference of two consecutive
   global models (SGD and Adam steps), beside controls
@@ -121,6 +125,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--num-required", type=int, default=64, help="embeddings per round (default 64)")
     _common(p)
     p = attacks.add_parser(
+        "fdml-lira",
+        help="FDML: user-level LiRA against the global embedding network",
+        description="FDML: train on SYNTHETIC TouchAuth without DP and run user-level LiRA (Carlini et al. "
+        "2022, online and offline; shadows trained centrally) against the global embedding network every "
+        "selected device receives, beside a control trained on users disjoint from every candidate",
+    )
+    p.add_argument(
+        "--users", type=int, default=200, help="candidate users, half of them members (default 200)"
+    )
+    p.add_argument("--shadows", type=int, default=16, help="shadow networks (default 16)")
+    p.add_argument("--rounds", type=int, default=100, help="FDML rounds, and shadow steps (default 100)")
+    p.add_argument("--devices", type=int, default=16, help="devices per round (default 16)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    _common(p)
+    p = attacks.add_parser(
         "fdml-inversion",
         help="FDML: gradient inversion of a round's touch windows from a global-model difference",
         description="FDML: reconstruct the SYNTHETIC TouchAuth windows of a round from w_{t+1} - w_t "
@@ -149,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         return _fdml_derivatives(args)
     if args.attack == "fdml-membership":
         return _fdml_membership(args)
+    if args.attack == "fdml-lira":
+        return _fdml_lira(args)
     if args.attack == "fdml-inversion":
         return _fdml_inversion(args)
     if args.attack in attack_runs.INVERSIONS:
@@ -303,6 +324,34 @@ def _fdml_membership(args: argparse.Namespace) -> int:
     for name, rep in summary["attacks"].items():
         print(
             f"{name:26s} AUC {rep['auc']:.3f} (null s.e. {rep['auc_null_std_error']:.3f})  "
+            f"TPR@FPR {rep['tpr_at_fpr']}"
+        )
+    return 0
+
+
+def _fdml_lira(args: argparse.Namespace) -> int:
+    """``fedveil attack fdml-lira``: train, attack and print one line per attack."""
+    from fedveil.experiments.attacks.fdml_lira import fdml_lira_table
+
+    summary = fdml_lira_table(
+        users=args.users,
+        shadows=args.shadows,
+        rounds=args.rounds,
+        devices=args.devices,
+        seed=args.seed,
+        num_threads=args.threads,
+        out=args.out,
+        progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2, default=float))
+        return 0
+    run = summary["run"]
+    print(f"{run['data']}: {run['members']} members, {run['non_members']} non-members; {run['fpr_note']}")
+    print(f"epsilon: none ({run['dp']})")
+    for name, rep in summary["attacks"].items():
+        print(
+            f"{name:30s} AUC {rep['auc']:.3f} (null s.e. {rep['auc_null_std_error']:.3f})  "
             f"TPR@FPR {rep['tpr_at_fpr']}"
         )
     return 0

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from fedveil.attacks.derivatives import (
     DerivativeView,
@@ -58,12 +59,19 @@ from fedveil.enclave.dp import (
     strict_round_epsilon,
 )
 from fedveil.errors import ConfigError
-from fedveil.experiments.config import load_config
+from fedveil.experiments.config import ExperimentConfig, load_config
 from fedveil.experiments.fdml.runner import build_population, build_trainer, evaluate_weights, input_shape
+from fedveil.models.flat import FlatModel
 from fedveil.protocols.fdml import DPRelease, LocalEnclave
 from fedveil.protocols.messages import EmbedReply
 
-__all__ = ["MEMBERSHIP_FPR_TARGETS", "PAPER_BOUND_T", "fdml_derivative_table", "fdml_membership_table"]
+__all__ = [
+    "MEMBERSHIP_FPR_TARGETS",
+    "PAPER_BOUND_T",
+    "fdml_derivative_table",
+    "fdml_membership_table",
+    "train_fdml",
+]
 
 MEMBERSHIP_FPR_TARGETS = (0.02, 0.05, 0.1)
 """The low FPRs membership inference is reported at (0.02 is the lowest that 64 non-members resolve)."""
@@ -215,6 +223,27 @@ def fdml_derivative_table(
     return summary
 
 
+def train_fdml(
+    cfg: ExperimentConfig, population: Any, *, progress: bool = False, desc: str = "FDML"
+) -> tuple[FlatModel, np.ndarray, np.ndarray]:
+    """Train FDML by ``cfg`` (``cfg.rounds`` rounds, in-process simulation) on ``population``'s training
+    users; ``(the embedding network, its initial weights, its trained weights)``. ``progress`` shows a bar
+    over the rounds."""
+    trainer = build_trainer(cfg, population)
+    initial = trainer.embedding_weights().copy()
+
+    async def train() -> None:
+        await trainer.server.register(trainer.runtime)
+        for rnd in tqdm(range(1, cfg.rounds + 1), desc=desc, unit="round", disable=not progress):
+            await trainer.server.run_round(rnd, trainer.runtime)
+
+    try:
+        asyncio.run(train())
+    finally:
+        trainer.close()
+    return trainer.embed_flat, initial, trainer.embedding_weights()
+
+
 def fdml_membership_table(
     *,
     users: int = 64,
@@ -249,19 +278,7 @@ def fdml_membership_table(
         ],
     )
     population = build_population(cfg)
-    trainer = build_trainer(cfg, population)
-    initial = trainer.embedding_weights().copy()
-
-    async def train() -> None:
-        await trainer.server.register(trainer.runtime)
-        for rnd in range(1, rounds + 1):
-            await trainer.server.run_round(rnd, trainer.runtime)
-
-    try:
-        asyncio.run(train())
-    finally:
-        trainer.close()
-    trained = trainer.embedding_weights()
+    embed_flat, initial, trained = train_fdml(cfg, population)
     rng = np.random.default_rng([seed, 7])
     members = np.stack(
         [population.sample_training(u, candidate_samples, rng) for u in population.train_user_ids()]
@@ -272,11 +289,11 @@ def fdml_membership_table(
     is_member = np.r_[np.ones(len(members), bool), np.zeros(len(tests), bool)]
     model_view = ModelView(
         "every selected device: the global embedding network",
-        copy.deepcopy(trainer.embed_flat.load_into_module(trained)),
+        copy.deepcopy(embed_flat.load_into_module(trained)),
     )
     initial_view = ModelView(
         "every device selected in round 1: the initial network",
-        copy.deepcopy(trainer.embed_flat.load_into_module(initial)),
+        copy.deepcopy(embed_flat.load_into_module(initial)),
     )
     rows = {
         "target/spread": metric_membership_attack(
@@ -291,9 +308,7 @@ def fdml_membership_table(
     }
     accuracy = None
     if users >= SEC_VII_C_MIN_USERS:
-        accuracy = evaluate_weights(trainer.embed_flat, trained, population, cfg.eval.seed)[0][
-            "accuracy_percent"
-        ]
+        accuracy = evaluate_weights(embed_flat, trained, population, cfg.eval.seed)[0]["accuracy_percent"]
     summary = {
         "run": {
             "data": "SYNTHETIC TouchAuth",

@@ -22,7 +22,13 @@ from fedveil.errors import ConfigError
 from fedveil.eval.verification import authentication_accuracy
 from fedveil.models.touchauth import TouchAuthNet
 
-__all__ = ["batch_all_triplet_loss", "embed_samples", "mean_feature_embeddings", "train_central_touchauth"]
+__all__ = [
+    "batch_all_triplet_loss",
+    "embed_samples",
+    "mean_feature_embeddings",
+    "train_central_touchauth",
+    "train_triplet_steps",
+]
 
 
 def batch_all_triplet_loss(
@@ -107,6 +113,40 @@ def train_central_touchauth(
         torch.set_num_threads(previous_threads)
 
 
+def train_triplet_steps(
+    net: torch.nn.Module,
+    population: TouchAuthPopulation,
+    *,
+    steps: int,
+    batch_users: int,
+    samples_per_user: int,
+    lr: float,
+    margin: float,
+    rng: np.random.Generator,
+) -> tuple[list[float], list[float]]:
+    """Train ``net`` in place on ``population``'s training users: ``steps`` Adam steps at ``lr`` on
+    :func:`batch_all_triplet_loss` with ``margin``, each on a batch drawn by ``rng`` like an FDML round
+    (a phone model uniformly, ``batch_users`` of its users, all when it has fewer, ``samples_per_user``
+    random-start samples each). Returns the loss and the active share of valid triplets of every step."""
+    by_model = {m: population.train_user_ids(m) for m in population.phone_models}
+    labels = torch.arange(batch_users).repeat_interleave(samples_per_user)
+    optimizer = torch.optim.Adam(net.parameters(), lr=lr)
+    net.train()
+    losses, active_fractions = [], []
+    for _ in range(steps):
+        users = by_model[population.phone_models[int(rng.integers(len(population.phone_models)))]]
+        chosen = rng.choice(len(users), size=min(batch_users, len(users)), replace=False)
+        batch = np.concatenate([population.sample_training(users[i], samples_per_user, rng) for i in chosen])
+        batch_labels = labels[: batch.shape[0]]
+        loss, active = batch_all_triplet_loss(net(torch.from_numpy(batch)[:, None]), batch_labels, margin)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        active_fractions.append(active / _valid_triplets(batch_labels))
+    return losses, active_fractions
+
+
 def _valid_triplets(labels: torch.Tensor) -> int:
     """The number of (anchor, positive, negative) triplets among ``labels``."""
     counts = torch.bincount(labels).to(torch.int64)
@@ -135,22 +175,16 @@ def _train(
     untrained = _accuracy(embed_samples(net.eval(), test), seed)
     baseline = _accuracy(mean_feature_embeddings(test), seed)
 
-    by_model = {m: population.train_user_ids(m) for m in population.phone_models}
-    labels = torch.arange(batch_users).repeat_interleave(samples_per_user)
-    optimizer = torch.optim.Adam(net.parameters(), lr=lr)
-    net.train()
-    losses, active_fractions = [], []
-    for _ in range(steps):
-        users = by_model[population.phone_models[int(rng.integers(len(population.phone_models)))]]
-        chosen = rng.choice(len(users), size=min(batch_users, len(users)), replace=False)
-        batch = np.concatenate([population.sample_training(users[i], samples_per_user, rng) for i in chosen])
-        batch_labels = labels[: batch.shape[0]]
-        loss, active = batch_all_triplet_loss(net(torch.from_numpy(batch)[:, None]), batch_labels, margin)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        active_fractions.append(active / _valid_triplets(batch_labels))
+    losses, active_fractions = train_triplet_steps(
+        net,
+        population,
+        steps=steps,
+        batch_users=batch_users,
+        samples_per_user=samples_per_user,
+        lr=lr,
+        margin=margin,
+        rng=rng,
+    )
     trained = _accuracy(embed_samples(net.eval(), test), seed)
     window = min(50, steps)
     return {
