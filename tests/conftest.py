@@ -1,10 +1,13 @@
-"""Shared fixtures: a tiny deterministic population that stands in for TouchAuth in protocol tests, and
-the headless Chromium page the browser tests drive."""
+"""Shared fixtures: a tiny deterministic population that stands in for TouchAuth in protocol tests, a
+small Fashion-MNIST on disk for commands that load it, and the headless Chromium page the browser tests
+drive."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,6 +57,38 @@ def toy_population() -> ToyPopulation:
 @pytest.fixture(autouse=True)
 def _torch_threads() -> None:
     torch.set_num_threads(1)
+
+
+SMALL_FASHION_MNIST = {"train": 1200, "t10k": 200}
+"""Images per split of :func:`small_fashion_mnist_root` (the files' prefixes: ``train``, ``t10k``)."""
+
+
+@pytest.fixture(scope="session")
+def small_fashion_mnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ``$FEDVEIL_DATA_DIR`` whose ``fashion-mnist`` folder holds Fashion-MNIST in its published on-disk
+    layout (uncompressed IDX files): 1,200 training and 200 test images drawn from the synthetic stand-in,
+    written once per session."""
+    from fedveil.data.images import synthetic_fashion_mnist
+
+    root = tmp_path_factory.mktemp("data")
+    folder = root / "fashion-mnist"
+    folder.mkdir()
+    for prefix, n in SMALL_FASHION_MNIST.items():
+        data = synthetic_fashion_mnist(n, seed=0, split="train" if prefix == "train" else "test")
+        pixels = np.round(data.x[:, 0] * 255).astype(np.uint8)
+        for kind, array in (("images-idx3", pixels), ("labels-idx1", data.y.astype(np.uint8))):
+            header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+            (folder / f"{prefix}-{kind}-ubyte").write_bytes(header + array.tobytes())
+    return root
+
+
+@pytest.fixture
+def small_fashion_mnist(small_fashion_mnist_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``$FEDVEIL_DATA_DIR`` at :func:`small_fashion_mnist_root` for one test (its child processes
+    included): for commands that load ``fashion-mnist`` where the test's checks do not depend on its size,
+    instead of generating the stand-in's 60,000 + 10,000 images."""
+    monkeypatch.setenv("FEDVEIL_DATA_DIR", str(small_fashion_mnist_root))
+    return small_fashion_mnist_root
 
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

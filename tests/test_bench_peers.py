@@ -44,11 +44,16 @@ ROW_FIELDS = {
 }
 
 
+pytestmark = pytest.mark.usefixtures("small_fashion_mnist")  # the task's images: 1,200 + 200, not 70,000
+
+
 @pytest.fixture(scope="module")
-def task(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """10 clients of 20 images, 2 timed rounds (the peers' tiny task)."""
+def task(tmp_path_factory: pytest.TempPathFactory, small_fashion_mnist_root: Path) -> Path:
+    """10 clients of 20 images, 2 timed rounds (the peers' tiny task), from the small Fashion-MNIST."""
     folder = tmp_path_factory.mktemp("peers") / "task"
-    write_task(folder, clients=10, samples=20, rounds=2, cohorts=[3], seed=0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FEDVEIL_DATA_DIR", str(small_fashion_mnist_root))
+        write_task(folder, clients=10, samples=20, rounds=2, cohorts=[3], seed=0)
     return folder
 
 

@@ -49,6 +49,7 @@ def test_idlg_through_a_fedavg_round_on_the_wire(capsys) -> None:
     assert "idlg batch 1, 1 targets, view fedavg" in out and "labels 1.00" in out
 
 
+@pytest.mark.usefixtures("small_fashion_mnist")  # 1,200 + 200 images of fashion-mnist, not 70,000
 def test_membership_and_property_reports(tmp_path: Path, capsys) -> None:
     small = ["--model", "lenet-sigmoid", "--clients", "3", "--samples-per-client", "10", "--rounds", "2"]
     assert main(["attack", "mia", *small, "--local-epochs", "1", "--json", "--out", str(tmp_path)]) == 0
