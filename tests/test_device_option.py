@@ -9,6 +9,8 @@ import asyncio
 import importlib
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 import fedveil
-from fedveil.cli import main
+from fedveil.cli import build_parser, main
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import add_run_arguments, run_sets
 from fedveil.experiments.config import load_config
@@ -180,6 +182,18 @@ def test_gpu_check_dry_run_says_the_cuda_half_and_runs_the_cpu_half(tmp_path: Pa
     assert aiot["run"]["device"] == "cpu" and "ours/0" in aiot["results"]
     assert "skipped" in (out / "pytest-gpu.txt").read_text() and (out / "pytest-gpu.xml").is_file()
     assert "finished in" in done.stderr and "0 failed step(s)" in done.stderr
+    # the steps said, not run (each builds the 60,000-image stand-in): their commands parse, on each device
+    said = re.findall(r"would run (\S+) on (cuda|cpu): (.*?)(?: > \S+)?$", done.stderr, re.MULTILINE)
+    steps = {(step, device) for step, device, _ in said}
+    for step in ("ppfl-step", "bench-scale", "bench-peers"):
+        assert {(step, "cuda"), (step, "cpu")} <= steps and not (out / f"{step}-cpu.json").exists()
+    for step, device, command in said:
+        words = shlex.split(command)
+        assert words[1:3] == ["-m", "fedveil"], command
+        args = build_parser().parse_args(words[3:])
+        assert args.device == device, step
+        if step == "bench-scale":
+            assert args.actors == [], "Ray's actors get CPUs only: bench scale's GPU half is in-process"
 
 
 @pytest.mark.parametrize(
@@ -526,7 +540,6 @@ def test_bench_scale_refuses_a_gpu_for_its_ray_actors_before_starting(
 def test_bench_scale_and_peers_forward_the_device_to_fedveils_setting_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedveil.cli import build_parser
     from fedveil.experiments.bench import peers, scale
 
     commands: list[list[str]] = []
