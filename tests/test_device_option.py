@@ -492,22 +492,10 @@ def test_ppfl_client_tees_give_the_same_bits_with_and_without_device_cpu(batched
         assert torch.equal(a, b)
 
 
-def _small_fashion(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``bench scale``'s data set, 300 training and 50 test images of the stand-in instead of 60,000 and
-    10,000 (the setting's code is the same; building the full stand-in takes half a minute here)."""
-    from fedveil.data import images
-
-    def small(name: str, split: str, *, seed: int = 0, **_: Any) -> Any:
-        assert name == "fashion-mnist"
-        return images.synthetic_fashion_mnist(300 if split == "train" else 50, seed=seed, split=split)
-
-    monkeypatch.setattr(images, "load_image_dataset", small)
-
-
+@pytest.mark.usefixtures("small_fashion_mnist")  # bench scale's data set: 1,200 + 200 images, not 70,000
 def test_bench_scale_trains_its_clients_on_the_resolved_device(monkeypatch: pytest.MonkeyPatch) -> None:
     from fedveil.experiments.bench.scale import measure_setting
 
-    _small_fashion(monkeypatch)
     setting = dict(clients=20, per_round=4, rounds=1, samples=5, actors=0, seed=0, threads=1)
     on_cpu = measure_setting(**setting, device="cpu")  # type: ignore[arg-type]
     moved = _spy_device(monkeypatch, "fedveil.experiments.bench.scale", "fedveil.protocols.fedavg")
@@ -537,6 +525,7 @@ def test_bench_scale_refuses_a_gpu_for_its_ray_actors_before_starting(
     assert not (tmp_path / "peers").exists(), "refused before the task is written"
 
 
+@pytest.mark.usefixtures("small_fashion_mnist")
 def test_bench_scale_and_peers_forward_the_device_to_fedveils_setting_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -553,7 +542,6 @@ def test_bench_scale_and_peers_forward_the_device_to_fedveils_setting_process(
 
     monkeypatch.setattr(scale.subprocess, "run", setting_process)
     monkeypatch.setattr(peers, "measure_peak_gemm", lambda threads: 1e10)
-    _small_fashion(monkeypatch)
     _spy_device(monkeypatch, "fedveil.experiments.bench.scale")
     result = peers.bench_peers(
         frameworks=["fedveil"],
