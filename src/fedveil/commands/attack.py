@@ -122,7 +122,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--users", type=int, default=64, help="training users, and as many unseen (default 64)")
     p.add_argument("--rounds", type=int, default=120, help="FDML rounds (default 120)")
-    p.add_argument("--num-required", type=int, default=64, help="embeddings per round (default 64)")
+    p.add_argument("--num-required", type=int, default=64, help="devices per round (default 64)")
     _common(p)
     p = attacks.add_parser(
         "fdml-lira",

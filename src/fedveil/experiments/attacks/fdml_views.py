@@ -256,10 +256,10 @@ def fdml_membership_table(
     out: Path | None = None,
 ) -> dict[str, Any]:
     """The uncovered-view table (module docstring): FDML trained ``rounds`` rounds (``num_required``
-    embeddings of ``samples_per_client`` per device a round, so ``num_required / samples_per_client``
-    devices, Adam at ``lr``: the Table I recipe's 3e-3) on ``users`` SYNTHETIC TouchAuth training users of
-    one phone model, then attacked on ``candidate_samples`` samples of each training user (random-start
-    windows, as in training) and of as many test users. Returns (and writes to
+    devices a round, each with ``samples_per_client`` embeddings, so every user in every round while
+    ``num_required >= users``; Adam at ``lr``: the Table I recipe's 3e-3) on ``users`` SYNTHETIC
+    TouchAuth training users of one phone model, then attacked on ``candidate_samples`` samples of each
+    training user (random-start windows, as in training) and of as many test users. Returns (and writes to
     ``out/fdml_membership.json``) the attacks and the control."""
     if candidate_samples > 40:
         raise ConfigError(f"candidate_samples {candidate_samples} exceeds the 40 samples of a test user")
