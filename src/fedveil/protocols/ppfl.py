@@ -482,7 +482,7 @@ class ClientTee:
 
     ``device`` (a resolved :class:`torch.device`; ``None``: the CPU) is where the emulation computes:
     ``theta_l`` is opened in host memory and moves there, the REE's batches are expected there, and the
-    trained values come back to host memory to be sealed (module docstring, "Emulated TEEs")."""
+    trained values come back to host memory to be sealed (module docstring, "On an accelerator")."""
 
     def __init__(
         self, session: EnclaveClientSession, tee_bytes: int, device: torch.device | None = None
@@ -560,7 +560,7 @@ class PpflClients:
     released layers once per release, the activations ``T_{l-1}`` stay there for the TEE, and each TEE
     trains and evaluates its stage there (:class:`ClientTee`), ``theta_l`` opened and sealed in host
     memory. The released layers the REE keeps (:attr:`frozen`, :meth:`trained_model`) and the server's
-    enclave stay on the CPU (module docstring, "Emulated TEEs").
+    enclave stay on the CPU (module docstring, "On an accelerator").
     """
 
     def __init__(
