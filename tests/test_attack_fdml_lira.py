@@ -206,7 +206,9 @@ def test_user_lira_refuses_bad_settings() -> None:
 
 def test_fdml_lira_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["attack", "fdml-lira", "--users", "8", "--shadows", "4", "--rounds", "2", "--devices", "4"]
-    assert main([*argv, "--out", str(tmp_path), "--json"]) == 0
+    threads = torch.get_num_threads()
+    assert main([*argv, "--threads", "1", "--out", str(tmp_path), "--json"]) == 0
+    assert torch.get_num_threads() == threads  # the run's one thread is given back
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads((tmp_path / "fdml_lira.json").read_text())
     run = printed["run"]
@@ -223,8 +225,10 @@ def test_fdml_lira_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
         assert report["tpr_at_fpr"]["0.001"] is None and report["tpr_at_fpr"]["0.01"] is None
 
 
-def test_fdml_lira_refuses_an_odd_population(capsys: pytest.CaptureFixture[str]) -> None:
+def test_fdml_lira_refuses_bad_settings_before_training(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match="users must be an even integer >= 4"):
         fdml_lira_table(users=7)
+    with pytest.raises(ConfigError, match="num_threads must be a positive integer or None, got 0"):
+        fdml_lira_table(users=8, num_threads=0)
     assert main(["attack", "fdml-lira", "--users", "2"]) != 0
     assert "users must be an even integer >= 4" in capsys.readouterr().err
