@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,9 @@ import pytest
 from fedveil.core import codec
 from fedveil.core.messages import array_field, message
 from fedveil.errors import ConfigError, ValidationError
-from fedveil.runtime.network import certs, wire
+from fedveil.runtime.network import certs, server, wire
 from fedveil.runtime.network.agent import AgentHost
-from fedveil.runtime.network.server import NetworkRuntime, parse_listen
+from fedveil.runtime.network.server import NetworkRuntime, _Connection, _Waiting, parse_listen
 
 
 @message("test.net.ping")
@@ -475,3 +476,101 @@ def test_fold_takes_each_valid_reply_as_it_arrives_and_invalid_ones_never(pki: P
         await agents
 
     _run(go())
+
+
+class _SlowContext:
+    """A stream's write side: each write takes ``seconds`` (forever for ``None``); ``live`` counts the
+    writes in progress across all streams, ``most`` the largest count seen."""
+
+    live = 0
+    most = 0
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.written: list[bytes] = []
+
+    async def write(self, frame: bytes) -> None:
+        type(self).live += 1
+        type(self).most = max(type(self).most, type(self).live)
+        try:
+            await (asyncio.Event().wait() if self.seconds is None else asyncio.sleep(self.seconds))
+            self.written.append(frame)
+        finally:
+            type(self).live -= 1
+
+
+def test_a_broadcast_is_written_a_few_streams_at_a_time_and_a_stalled_stream_holds_no_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gRPC copies a frame into each stream it is written to: the server writes at most ``write_slots``
+    at once, and a stream that stops reading gives its slot up after ``WRITE_SLOT_SECONDS``."""
+    monkeypatch.setattr(server, "WRITE_SLOT_SECONDS", 0.05)
+
+    async def go() -> None:
+        runtime = NetworkRuntime("127.0.0.1:0", insecure=True, write_slots=3)
+        runtime._slots = asyncio.Semaphore(runtime.write_slots)
+        stalled = [_SlowContext(None) for _ in range(3)]
+        healthy = [_SlowContext(0.01) for _ in range(12)]
+        conns = [_Connection(f"d{i}", asyncio.Queue(), 0.0) for i in range(15)]
+        for conn in conns:
+            conn.outbox.put_nowait(b"model")
+            conn.outbox.put_nowait(None)
+        loops = [
+            asyncio.create_task(runtime._write_loop(ctx, conn))
+            for ctx, conn in zip([*stalled, *healthy], conns, strict=True)
+        ]
+        t0 = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*loops[3:]), 5)
+        assert time.monotonic() - t0 < 2, "the stalled streams held the broadcast back"
+        assert all(ctx.written == [b"model"] for ctx in healthy)
+        assert _SlowContext.most <= 3 + len(stalled), "more writes at once than the slots (and the stalled)"
+        for loop in loops[:3]:
+            loop.cancel()
+        await asyncio.gather(*loops[:3], return_exceptions=True)
+        assert _SlowContext.live == 0
+
+    asyncio.run(go())
+    with pytest.raises(ConfigError, match="write_slots 0 must be an integer >= 1"):
+        NetworkRuntime("127.0.0.1:0", insecure=True, write_slots=0)
+
+
+class _Frame(bytearray):
+    """A received frame that can be watched (weakly referenced)."""
+
+
+class _ReadContext:
+    """A stream's read side: yields ``frames``, then waits for ever (``idle`` set)."""
+
+    def __init__(self, frames: list[_Frame]) -> None:
+        self.frames = frames
+        self.idle = asyncio.Event()
+
+    async def read(self) -> bytes:
+        if self.frames:
+            return self.frames.pop(0)
+        self.idle.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def test_a_stream_keeps_no_frame_while_it_waits_for_the_next() -> None:
+    """Once a reply is routed to its request, the stream's read loop holds no reference to the frame it
+    came in: held by every stream until its next heartbeat, they would be one model per device."""
+
+    async def go() -> None:
+        runtime = NetworkRuntime("127.0.0.1:0", insecure=True)
+        conn = _Connection("d0", asyncio.Queue(), 0.0)
+        reply = wire.AgentReply(7, 0.0, 0.0, codec.encode(Pong(1, "d0", 1.0)))
+        frames = [_Frame(codec.encode(reply))]
+        seen = weakref.ref(frames[0])
+        future = asyncio.get_running_loop().create_future()
+        runtime._waiting[("d0", 7)] = _Waiting("d0", "p", 0.0, 0, future)
+        context = _ReadContext(frames)
+        loop = asyncio.create_task(runtime._read_loop(context, conn))
+        await asyncio.wait_for(context.idle.wait(), 5)
+        assert future.done() and future.result()[0] == reply
+        assert seen() is None, "the read loop still holds the last frame"
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+    asyncio.run(go())

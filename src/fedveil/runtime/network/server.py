@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT = 10.0
 
+WRITE_SLOT_SECONDS = 0.5
+"""Longest a frame's write holds one of the server's write slots; a stream slower than that (a device that
+stops reading) goes on writing outside them, so it cannot hold the others' broadcast back."""
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -96,7 +100,10 @@ class NetworkRuntime:
     ``insecure=True`` and then serves plaintext, identifying devices by their hello alone (for a
     network you fully trust; it logs a warning). ``enrol_listen`` opens the enrolment port (server TLS
     only; a token buys one certificate). ``heartbeat_seconds`` is what agents are told; a device silent
-    for ``3 x heartbeat_seconds`` is dropped from :meth:`available`.
+    for ``3 x heartbeat_seconds`` is dropped from :meth:`available`. ``write_slots`` bounds how many
+    frames are being written at once (each for at most :data:`WRITE_SLOT_SECONDS`): gRPC copies a frame
+    into every stream it is written to, so a broadcast written to all devices at once would hold one copy
+    of the model per device.
     """
 
     def __init__(
@@ -108,6 +115,7 @@ class NetworkRuntime:
         enrol_listen: str | None = None,
         max_message_bytes: int = 64 * 2**20,
         heartbeat_seconds: float = 5.0,
+        write_slots: int = 16,
     ) -> None:
         if pki is None and not insecure:
             raise ConfigError(
@@ -119,6 +127,8 @@ class NetworkRuntime:
             raise ConfigError(f"max_message_bytes {max_message_bytes!r} must be positive")
         if not heartbeat_seconds > 0:
             raise ConfigError(f"heartbeat_seconds {heartbeat_seconds!r} must be > 0")
+        if isinstance(write_slots, bool) or not isinstance(write_slots, int) or write_slots < 1:
+            raise ConfigError(f"write_slots {write_slots!r} must be an integer >= 1")
         parse_listen(listen)
         if enrol_listen is not None:
             parse_listen(enrol_listen)
@@ -130,6 +140,8 @@ class NetworkRuntime:
         self.insecure = insecure
         self.max_message_bytes = max_message_bytes
         self.heartbeat_seconds = heartbeat_seconds
+        self.write_slots = write_slots
+        self._slots: asyncio.Semaphore | None = None
         self.refusals: list[Refusal] = []
         self._stats = CommStats()
         self._conns: dict[str, _Connection] = {}
@@ -156,6 +168,7 @@ class NetworkRuntime:
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ]
         self._joined = asyncio.Condition()
+        self._slots = asyncio.Semaphore(self.write_slots)
         server = grpc.aio.server(options=options)
         handlers = {
             "Connect": grpc.stream_stream_rpc_method_handler(self._connect),
@@ -335,6 +348,8 @@ class NetworkRuntime:
                     msg = self._accept(waiting, fut, expected, validate, fold)
                     if msg is not None:
                         replies[waiting.device] = msg
+                # each arrived payload is folded or dropped: keep none of them while awaiting the next
+                del done, fut, waiting
         finally:
             for fut, key in pending.items():
                 waiting = self._waiting.pop(key)
@@ -483,12 +498,22 @@ class NetworkRuntime:
             log.info("device %s disconnected", device)
 
     async def _write_loop(self, context: grpc.aio.ServicerContext, conn: _Connection) -> None:
+        """Write ``conn``'s frames in order, each started inside one of the write slots (class docstring)."""
+        assert self._slots is not None, "start() the runtime first"
         while True:
             frame = await conn.outbox.get()
             if frame is None:
                 conn.closed.set()
                 return
-            await context.write(frame)
+            write: asyncio.Future[None] | None = None
+            try:
+                async with self._slots:
+                    write = asyncio.ensure_future(context.write(frame))
+                    await asyncio.wait({write}, timeout=WRITE_SLOT_SECONDS)
+                await write
+            finally:
+                if write is not None:
+                    write.cancel()
 
     async def _read_loop(self, context: grpc.aio.ServicerContext, conn: _Connection) -> None:
         limit = self.max_message_bytes + wire.ENVELOPE_OVERHEAD
@@ -516,6 +541,9 @@ class NetworkRuntime:
                 return
             if isinstance(env, wire.AgentReply):
                 self._route(conn, env, arrived)
+            # neither the frame nor its reply stays referenced while this stream waits for its next frame
+            # (a heartbeat away): held by every stream, they would be two models per device
+            del read, done, frame, env
 
     def _route(self, conn: _Connection, reply: wire.AgentReply, arrived: float) -> None:
         """Hand a reply to the request it answers, if that request is still waiting for this device."""
