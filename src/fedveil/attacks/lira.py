@@ -23,6 +23,10 @@ With few shadow models the per-example variances are poor estimates; the paper t
 variance per distribution (``global_variance=True``: the residuals of all examples pooled, each example
 keeping its own mean). Queries are augmentation-free by default (the example itself); the paper's
 augmented queries (mirrors, shifts) are passed as ``augmentations``.
+
+The shadow loop (:func:`shadow_phis`: random halves, training, measuring, caching) and the reports
+(:func:`lira_reports`) take any statistic of any candidates; :mod:`fedveil.attacks.lira_metric` uses
+them for users of an embedding network.
 """
 
 from __future__ import annotations
