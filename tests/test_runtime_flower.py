@@ -348,6 +348,36 @@ def test_a_client_that_raises_an_oversized_reply_and_a_silent_node_are_dropouts(
     assert set(got) == {c for c in ids if node[c] == 102 or (node[c] == 101 and c != first_of_101)}
 
 
+def test_fold_takes_each_valid_reply_it_keeps_and_no_other(agent_command: list[str]) -> None:
+    """A fold that strips replies: the request returns what it kept; an oversized reply never reaches it,
+    and with ``min_replies`` it sees exactly that many (the rest are late)."""
+
+    def tamper(node: int, content: RecordDict) -> Any:
+        if not _is_hello(content) and node == 101:
+            rec = content.config_records[flower.RECORD]
+            rec["payloads"] = [rec["payloads"][0] + b"\0" * 2000, *rec["payloads"][1:]]
+        return content
+
+    runtime, ids = _connected(_Grid(2, tamper), agent_command, max_message_bytes=1000)
+    first_of_101 = next(c for c in ids if runtime._node_of[c] == 101)
+    folded: list[str] = []
+
+    def strip(cid: str, msg: Register) -> tuple[str, str]:
+        folded.append(cid)
+        return ("folded", cid)
+
+    got = _request(runtime, ids, RegistrationCall("fedavg"), fold=strip)
+    assert sorted(folded) == sorted(c for c in ids if c != first_of_101)
+    assert got == {c: ("folded", c) for c in folded} and list(got) == [c for c in ids if c in got]
+
+    folded.clear()
+    seen = len(runtime.stats().dropouts)
+    got = _request(runtime, ids, RegistrationCall("fedavg"), fold=strip, min_replies=3)
+    assert len(folded) == 3 and first_of_101 not in folded and set(got) == set(folded)
+    late = [d.client for d in runtime.stats().dropouts[seen:] if d.reason.startswith("late")]
+    assert not set(late) & set(folded) and set(late) | set(folded) | {first_of_101} == set(ids)
+
+
 def test_min_replies_keeps_the_earliest_in_request_order(agent_command: list[str]) -> None:
     runtime, ids = _connected(_Grid(2), agent_command)
     got = _request(runtime, ids, RegistrationCall("fedavg"), min_replies=3)
