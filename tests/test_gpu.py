@@ -338,15 +338,17 @@ def test_aiot_pre_training_and_evaluation_on_cuda_follow_the_cpus() -> None:
     _close(on_cpu, on_cuda)
 
 
+@pytest.mark.usefixtures("small_fashion_mnist")  # bench scale's data set: 1,200 + 200 images
 def test_bench_scale_clients_train_on_cuda_as_on_the_cpu() -> None:
     pool = scale_clients(20, 5, seed=0, device="cuda")
     assert next(pool.flat.module.parameters()).is_cuda
     setting: dict[str, Any] = dict(clients=20, per_round=4, rounds=2, samples=5, actors=0, seed=0, threads=1)
     rows = {d: measure_setting(**setting, device=d) for d in ("cpu", "cuda")}
     assert rows["cuda"]["device"] == "cuda" and rows["cpu"]["device"] == "cpu"
-    assert rows["cuda"]["accuracy"] == pytest.approx(rows["cpu"]["accuracy"], abs=0.01)
+    assert rows["cuda"]["accuracy"] == pytest.approx(rows["cpu"]["accuracy"], abs=0.02)  # 4 of 200 images
 
 
+@pytest.mark.usefixtures("small_fashion_mnist")
 def test_bench_peers_fedveil_row_on_cuda(tmp_path: Path) -> None:
     result = bench_peers(
         frameworks=["fedveil"],
