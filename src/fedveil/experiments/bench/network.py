@@ -12,7 +12,7 @@ in-process simulation for comparison. Reported: agents, rounds, lost updates, pe
 percentiles (TTD, TTE, TTR, TTP), the per-round wall time and server-side overhead (wall time minus the
 slowest device's TTE), the server process's CPU seconds per round (on one machine the agents compete with
 the server for the same cores, so this says what the server itself costs), server peak RSS (taken before
-the simulation part runs; the server process keeps freed memory in its heap,
+the simulation part runs; ``fedveil bench`` keeps freed memory in the server process's heap,
 :func:`fedveil.core.heap.retain_freed_memory`, so each round reuses the last round's pages), and the
 simulation's per-round time.
 """
@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from fedveil.core.aggregation import FedAvgSum
-from fedveil.core.heap import retain_freed_memory
 from fedveil.core.messages import array_field, message
 from fedveil.errors import ConfigError
 from fedveil.experiments.loopback import agent_processes, percentiles, throwaway_pki, wait_connected
@@ -140,7 +139,6 @@ def bench_network(
     if model_bytes < 4:
         raise ConfigError(f"model_bytes {model_bytes} must be >= 4")
     processes = min(processes, agents)
-    retain_freed_memory()
     ids = device_names(agents)
     weights = np.zeros(model_bytes // 4, dtype=np.float32)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
