@@ -86,7 +86,7 @@ def test_a_job_trains_on_networked_devices_that_enforce_their_own_policies(deplo
 
     failed: list[tuple[bytes, str]] = []
 
-    def spy(waiting, fut, expected, validate):  # everything the devices send, as the server receives it
+    def spy(waiting, fut, expected, validate, fold):  # everything the devices send, as the server receives it
         if fut.exception() is None:
             reply = fut.result()[0]
             # a device's error reply (a dropout, e.g. a step that failed on a loaded machine) has no payload
@@ -94,7 +94,7 @@ def test_a_job_trains_on_networked_devices_that_enforce_their_own_policies(deplo
                 failed.append((reply.payload, reply.error))
             else:
                 payloads.append(reply.payload)
-        return accept(waiting, fut, expected, validate)
+        return accept(waiting, fut, expected, validate, fold)
 
     runtime._accept = spy
     job = {
