@@ -321,12 +321,17 @@ def _fdml_membership(args: argparse.Namespace) -> int:
         return 0
     run = summary["run"]
     print(f"{run['data']}: {run['members']} members, {run['non_members']} non-members")
-    for name, rep in summary["attacks"].items():
+    _print_auc_rows(summary["attacks"], width=26)
+    return 0
+
+
+def _print_auc_rows(attacks: dict[str, dict], *, width: int) -> None:
+    """One line per membership attack: its AUC, the AUC's standard error under the null, TPR at each FPR."""
+    for name, rep in attacks.items():
         print(
-            f"{name:26s} AUC {rep['auc']:.3f} (null s.e. {rep['auc_null_std_error']:.3f})  "
+            f"{name:{width}s} AUC {rep['auc']:.3f} (null s.e. {rep['auc_null_std_error']:.3f})  "
             f"TPR@FPR {rep['tpr_at_fpr']}"
         )
-    return 0
 
 
 def _fdml_lira(args: argparse.Namespace) -> int:
@@ -349,11 +354,7 @@ def _fdml_lira(args: argparse.Namespace) -> int:
     run = summary["run"]
     print(f"{run['data']}: {run['members']} members, {run['non_members']} non-members; {run['fpr_note']}")
     print(f"epsilon: none ({run['dp']})")
-    for name, rep in summary["attacks"].items():
-        print(
-            f"{name:30s} AUC {rep['auc']:.3f} (null s.e. {rep['auc_null_std_error']:.3f})  "
-            f"TPR@FPR {rep['tpr_at_fpr']}"
-        )
+    _print_auc_rows(summary["attacks"], width=30)
     return 0
 
 
