@@ -353,7 +353,7 @@ def _fdml_lira(args: argparse.Namespace) -> int:
         return 0
     run = summary["run"]
     print(f"{run['data']}: {run['members']} members, {run['non_members']} non-members; {run['fpr_note']}")
-    print(f"epsilon: none ({run['dp']})")
+    print(f"epsilon: {run['dp']}")
     _print_auc_rows(summary["attacks"], width=30)
     return 0
 
