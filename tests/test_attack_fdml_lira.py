@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ def _brute_force(
 ) -> list[float] | None:
     """LiRA's score per example by explicit loops over examples and queries, with the standard library's
     normal distribution: the Gaussians' means and (unbiased, or pooled over examples) deviations; ``None``
-    where a density or a tail probability underflows."""
+    where a density or a tail probability is below the smallest normal double."""
     num_shadow, n, q = shadow.shape
 
     def groups(mask: np.ndarray) -> list[list[list[float]]]:
@@ -66,12 +67,14 @@ def _brute_force(
                     statistics.NormalDist(mu_in, sd_in).pdf(value),
                     statistics.NormalDist(mu_out, sd_out).pdf(value),
                 )
-                if min(densities) == 0.0:  # below double precision: no value to compare
+                if min(densities) < sys.float_info.min:  # subnormal or zero: too few digits to compare
                     return None
                 per_query.append(math.log(densities[0]) - math.log(densities[1]))
             else:
-                tail = statistics.NormalDist(mu_out, sd_out).cdf(value)
-                if tail == 0.0:
+                # erfc, not NormalDist.cdf, whose 1 + erf loses the lower tail's digits (at z = -7.7 the
+                # log is off by 4e-3)
+                tail = 0.5 * math.erfc((mu_out - value) / (sd_out * math.sqrt(2.0)))
+                if tail < sys.float_info.min:
                     return None
                 per_query.append(math.log(tail))
         scores.append(statistics.mean(per_query))
