@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +68,7 @@ def small_fashion_mnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     layout (uncompressed IDX files): 1,200 training and 200 test images drawn from the synthetic stand-in,
     written once per session."""
     from fedveil.data.images import synthetic_fashion_mnist
+    from idx_files import write_idx
 
     root = tmp_path_factory.mktemp("data")
     folder = root / "fashion-mnist"
@@ -77,8 +77,7 @@ def small_fashion_mnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         data = synthetic_fashion_mnist(n, seed=0, split="train" if prefix == "train" else "test")
         pixels = np.round(data.x[:, 0] * 255).astype(np.uint8)
         for kind, array in (("images-idx3", pixels), ("labels-idx1", data.y.astype(np.uint8))):
-            header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-            (folder / f"{prefix}-{kind}-ubyte").write_bytes(header + array.tobytes())
+            write_idx(folder / f"{prefix}-{kind}-ubyte", array)
     return root
 
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import math
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +24,7 @@ from fedveil.data.emnist import (
 )
 from fedveil.data.mnist_uv import DIGITS, SPLITS, SUB_IMAGE_KEY, X_KEY
 from fedveil.errors import ConfigError, ValidationError
-
-_IDX_CODES = {np.dtype("u1"): 0x08, np.dtype("i1"): 0x09, np.dtype("i2"): 0x0B, np.dtype("i4"): 0x0C}
-_IDX_CODES |= {np.dtype("f4"): 0x0D, np.dtype("f8"): 0x0E}
-
-
-def write_idx(path: Path, array: np.ndarray, *, compress: bool = False) -> Path:
-    """The IDX format: 0, 0, type byte, ndim, big-endian uint32 dims, big-endian values."""
-    header = bytes([0, 0, _IDX_CODES[array.dtype], array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-    body = header + array.astype(array.dtype.newbyteorder(">")).tobytes()
-    path.write_bytes(gzip.compress(body) if compress else body)
-    return path
-
+from idx_files import IDX_CODES, write_idx
 
 # A fake handwriting source: writer w wrote n_images[w][label] images of each label; every image is
 # unique (random pixels seeded by its row), so an example channel can be traced back by equality.
@@ -215,7 +202,7 @@ def test_leaf_rejects_non_json_and_empty_directory(tmp_path: Path) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    dtype=st.sampled_from(sorted(_IDX_CODES, key=str)),
+    dtype=st.sampled_from(sorted(IDX_CODES, key=str)),
     shape=st.lists(st.integers(0, 4), min_size=1, max_size=4),
     compress=st.booleans(),
     seed=st.integers(0, 1000),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +23,7 @@ from fedveil.data.images import (
     synthetic_fashion_mnist,
 )
 from fedveil.errors import ConfigError, ValidationError
-
-
-def _idx(array: np.ndarray) -> bytes:
-    return (
-        struct.pack(">BBBB", 0, 0, 0x08, array.ndim)
-        + struct.pack(f">{array.ndim}I", *array.shape)
-        + array.tobytes()
-    )
+from idx_files import write_idx
 
 
 def _write_mnist(root: Path, n: int, *, gz: bool, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -40,12 +32,8 @@ def _write_mnist(root: Path, n: int, *, gz: bool, seed: int = 0) -> tuple[np.nda
     labels = rng.integers(0, 10, n, dtype=np.uint8)
     for prefix in ("train", "t10k"):
         for kind, arr in (("images-idx3", images), ("labels-idx1", labels)):
-            data = _idx(arr)
             name = root / f"{prefix}-{kind}-ubyte"
-            if gz:
-                name.with_name(name.name + ".gz").write_bytes(gzip.compress(data))
-            else:
-                name.write_bytes(data)
+            write_idx(name.with_name(name.name + ".gz") if gz else name, arr, compress=gz)
     return images, labels
 
 
@@ -73,7 +61,7 @@ def test_idx_bad_input_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(raw)[:-20])
     with pytest.raises(ValidationError, match="gzipped but does not decompress"):
         load_mnist_layout(tmp_path, "test")
-    (tmp_path / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(_idx(np.zeros((4, 28, 28), np.uint8))))
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", np.zeros((4, 28, 28), np.uint8), compress=True)
     with pytest.raises(ValidationError, match=r"has 4 images but .* has 3 labels"):
         load_mnist_layout(tmp_path, "test")
     with pytest.raises(ConfigError, match="neither"):
