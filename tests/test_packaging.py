@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
+import site
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -46,3 +50,75 @@ def test_the_cpu_constraints_pin_the_exact_wheel_and_every_install_command_uses_
     quick_start = [line for line in readme.splitlines() if line.startswith("python3 -m pip install -e . ")]
     assert quick_start and all("-c constraints/cpu.txt" in line for line in quick_start), quick_start
     assert "scripts/bootstrap" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_beside_the_installed_torch_a_no_deps_install_imports_and_runs_the_demo(tmp_path: Path) -> None:
+    """The README's "beside an existing PyTorch": a fresh virtual environment that sees this interpreter's
+    packages (torch included, as a GPU machine's own build would be), ``pip install --no-deps -e .`` (no
+    resolver, no download), then the installed metadata accepts that torch, ``pip check`` finds nothing
+    wrong with fedveil or torch, and ``fedveil demo`` trains and writes its results."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = venv / "bin" / "python"
+    (purelib,) = json.loads(
+        subprocess.run(
+            [str(python), "-c", "import json, site; print(json.dumps(site.getsitepackages()))"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    )
+    parents = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    Path(purelib, "zz_parent_site.pth").write_text(
+        "".join(f"import site; site.addsitedir({p!r})\n" for p in parents)
+    )
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    probe = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import json, fedveil, torch; from importlib import metadata; "
+            "print(json.dumps([fedveil.__file__, torch.__version__, metadata.requires('fedveil')]))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    where, torch_version, requires = json.loads(probe.stdout)
+    assert Path(where).resolve().is_relative_to(ROOT / "src")
+    (torch_req,) = [Requirement(r) for r in requires if Requirement(r).name == "torch"]
+    assert Version(torch_version.split("+")[0]) in torch_req.specifier
+    check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True, timeout=120)
+    assert not [
+        line for line in check.stdout.splitlines() if re.match(r"(fedveil|torch) ", line, re.IGNORECASE)
+    ], check.stdout
+    run_dir = tmp_path / "demo"
+    demo = subprocess.run(
+        [
+            str(venv / "bin" / "fedveil"),
+            "demo",
+            "--out",
+            str(run_dir),
+            "--set",
+            "rounds=2",
+            "--no-progress",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["rounds"] == 2 and results["rounds_applied"] == 2
+    assert 0.0 <= results["accuracy_percent"] <= 100.0
