@@ -63,6 +63,8 @@ def test_bench_rounds_json(capsys) -> None:
         up, coded = row["bytes_up_per_round"], row["bytes_down_coded_per_round"]
         assert row["copied_bytes_per_round"] == 2 * (up + coded) + up
         assert row["sealed_bytes_per_round"] == 2 * (up + 4 * 4 * 64 * 4)
+        # on the CPU nothing crosses to a GPU: no crossing term in the floor
+        assert "host_to_device_bytes_per_round" not in row and "host_to_device_bytes_per_second" not in row
         # the profile's phases add up to the profiled round, and the device and enclave phases were found
         prof = row["profile_seconds_per_round"]
         phases = sum(v for k, v in prof.items() if k != "profiled_round_seconds")
@@ -181,3 +183,33 @@ def test_flops_of_a_vmapped_network_are_counted_on_the_one_by_one_path(capsys) -
 def test_bench_rounds_refuses_a_negative_warmup(capsys) -> None:
     assert main(["bench", "rounds", "--warmup", "-1", *SMALL]) == 2
     assert "--warmup -1 must be >= 0" in capsys.readouterr().err
+
+
+def test_a_gpu_floor_adds_the_crossing_between_host_and_gpu_at_the_measured_rates() -> None:
+    """On a GPU the codec and the enclave still work in host memory: every message sent down crosses to
+    the GPU and every upload back, at the copy rates measured each way (known answer, no GPU needed)."""
+    from fedveil.experiments.bench.rounds import _floor
+
+    rates = {
+        "peak_gemm_gflops": 1000.0,
+        "aes_gcm_bytes_per_second": 2e9,
+        "memcpy_bytes_per_second": 1e10,
+    }
+    common = dict(flops=4e9, alg1=None, sealed_bytes=2e6, copied_bytes=3e7)
+    crossing = {"host_to_device": 5e6, "device_to_host": 8e6}
+    on_cpu = _floor(**common, crossing_bytes=crossing, rates=rates)
+    assert on_cpu["floor_seconds"] == pytest.approx(4e9 / 1e12 + 2e6 / 2e9 + 3e7 / 1e10, rel=1e-12)
+    assert "host_to_device_bytes_per_round" not in on_cpu
+    gpu_rates = {**rates, "host_to_device_bytes_per_second": 1e9, "device_to_host_bytes_per_second": 4e9}
+    on_gpu = _floor(**common, crossing_bytes=crossing, rates=gpu_rates)
+    assert on_gpu["host_to_device_bytes_per_round"] == 5e6 and on_gpu["device_to_host_bytes_per_round"] == 8e6
+    assert on_gpu["floor_seconds"] == pytest.approx(
+        on_cpu["floor_seconds"] + 5e6 / 1e9 + 8e6 / 4e9, rel=1e-12
+    )
+
+
+def test_host_device_copy_rates_are_refused_for_the_cpu() -> None:
+    from fedveil.experiments.bench.floor import host_device_bytes_per_second
+
+    with pytest.raises(ValueError, match=r"'cpu'.*GPU"):
+        host_device_bytes_per_second("cpu")

@@ -526,6 +526,39 @@ def test_bench_scale_refuses_a_gpu_for_its_ray_actors_before_starting(
 
 
 @pytest.mark.usefixtures("small_fashion_mnist")
+def test_bench_peers_holds_a_gpu_row_to_the_gpus_floor_and_the_peers_to_the_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fedveil row trained on a GPU: FLOPs at the GPU's peak per second of wall time, over its seconds
+    per round (its CPU seconds are the host's share, not the arithmetic); the floor's basis is named."""
+    from fedveil.experiments.bench import peers, scale
+
+    def setting_process(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        args = build_parser().parse_args(command[3:])
+        row = {"clients_per_round": args.per_round, "device": args.device, "accuracy": 0.5}
+        row.update(seconds_per_round=0.5, cpu_seconds_per_round=2.0)
+        return subprocess.CompletedProcess(command, 0, json.dumps(row), "")
+
+    peaks: list[str] = []
+
+    def peak(threads: int, device: str = "cpu") -> float:
+        peaks.append(device)
+        return 1e10 if device == "cpu" else 1e12
+
+    monkeypatch.setattr(scale.subprocess, "run", setting_process)
+    monkeypatch.setattr(peers, "measure_peak_gemm", peak)
+    monkeypatch.setattr(peers, "resolve_device", lambda spec: torch.device("cuda", 0))
+    monkeypatch.setattr(scale, "resolve_device", lambda spec: torch.device("cuda", 0))
+    settings = dict(frameworks=["fedveil"], cohorts=[2], rounds=1, clients=4, samples=2, threads=1)
+    (row,) = peers.bench_peers(**settings, out=tmp_path / "gpu", device="cuda")["rows"]
+    assert peaks == ["cpu", "cuda:0"]
+    assert row["peak_gemm_flops_per_second"] == 1e12 and "cuda:0" in row["floor_basis"]
+    assert row["fraction_of_floor"] == pytest.approx(row["flops_per_round"] / 1e12 / 0.5, rel=1e-12)
+    (row,) = peers.bench_peers(**settings, out=tmp_path / "cpu", device="cpu")["rows"]
+    assert row["peak_gemm_flops_per_second"] == 1e10 and "CPU seconds" in row["floor_basis"]
+    assert row["fraction_of_floor"] == pytest.approx(row["flops_per_round"] / 1e10 / 2.0, rel=1e-12)
+
+
 def test_bench_scale_and_peers_forward_the_device_to_fedveils_setting_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -541,8 +574,8 @@ def test_bench_scale_and_peers_forward_the_device_to_fedveils_setting_process(
         return subprocess.CompletedProcess(command, 0, json.dumps(row), "")
 
     monkeypatch.setattr(scale.subprocess, "run", setting_process)
-    monkeypatch.setattr(peers, "measure_peak_gemm", lambda threads: 1e10)
-    _spy_device(monkeypatch, "fedveil.experiments.bench.scale")
+    monkeypatch.setattr(peers, "measure_peak_gemm", lambda threads, device="cpu": 1e10)
+    _spy_device(monkeypatch, "fedveil.experiments.bench.scale", "fedveil.experiments.bench.peers")
     result = peers.bench_peers(
         frameworks=["fedveil"],
         cohorts=[2],

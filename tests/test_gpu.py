@@ -40,7 +40,9 @@ from fedveil.data.faces import face_devices, synthetic_faces
 from fedveil.data.images import synthetic_fashion_mnist
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv
 from fedveil.experiments.aiot.faces_domain import embed_faces, train_faces
+from fedveil.experiments.bench.floor import peak_gemm_flops_per_second
 from fedveil.experiments.bench.peers import bench_peers
+from fedveil.experiments.bench.rounds import bench_rounds
 from fedveil.experiments.bench.scale import measure_setting, scale_clients
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.runner import build_clients, build_population
@@ -362,3 +364,29 @@ def test_bench_peers_fedveil_row_on_cuda(tmp_path: Path) -> None:
     )
     (row,) = result["rows"]
     assert row["device"] == "cuda" and row["framework"] == "fedveil" and 0 <= row["accuracy"] <= 1
+    # held to the GPU's floor: its peak per second of wall time, over the round's wall seconds
+    assert "cuda" in row["floor_basis"] and 0 < row["fraction_of_floor"] <= 1.5
+    expected = row["flops_per_round"] / row["peak_gemm_flops_per_second"] / row["seconds_per_round"]
+    assert row["fraction_of_floor"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_bench_rounds_on_cuda_is_held_to_the_gpus_floor() -> None:
+    """FDML rounds on the GPU: the floor's peak GEMM is the GPU's (above the CPU's), and every message
+    crosses between host memory (codec, enclave) and the GPU at the copy rates measured each way."""
+    row = bench_rounds(
+        rounds=2,
+        repeats=1,
+        warmup=1,
+        threads=1,
+        overrides=(
+            "device=cuda",
+            "fdml.num_required=8",
+            "data.train_users_per_model=[10,10,10,10]",
+            "data.test_users_per_model=[2,2,2,2]",
+        ),
+    )
+    assert row["peak_gemm_gflops"] > peak_gemm_flops_per_second(1) / 1e9
+    assert row["host_to_device_bytes_per_round"] == row["bytes_down_coded_per_round"]
+    assert row["device_to_host_bytes_per_round"] == row["bytes_up_per_round"]
+    assert row["host_to_device_bytes_per_second"] > 0 and row["device_to_host_bytes_per_second"] > 0
+    assert 0 < row["fraction_of_floor"] <= 1.5

@@ -4,7 +4,10 @@
   descendants: its own threads, its live descendants (read from ``/proc``: Ray's raylet, GCS and
   workers, ...) and every descendant already reaped.
 - :func:`peak_gemm_flops_per_second`: FLOPs per second of a large float32 ``torch.matmul`` on a given
-  number of threads, by the wall clock or by this process's CPU clock.
+  number of threads, by the wall clock or by this process's CPU clock; or on a GPU, by the wall clock
+  after the device has finished.
+- :func:`host_device_bytes_per_second`: bytes per second copied between host memory and a GPU, each way:
+  what a round on a GPU pays to move its messages across.
 - :func:`training_flops`: FLOPs of one forward and backward pass of a model over a batch, counted
   analytically from its convolutions and linear layers as torch's ``FlopCounterMode`` counts them.
 
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["peak_gemm_flops_per_second", "training_flops", "tree_cpu_seconds"]
+__all__ = ["host_device_bytes_per_second", "peak_gemm_flops_per_second", "training_flops", "tree_cpu_seconds"]
 
 _PROC = Path("/proc")
 
@@ -65,28 +68,83 @@ def tree_cpu_seconds() -> float:
 
 
 def peak_gemm_flops_per_second(
-    threads: int, *, size: int = 2048, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+    threads: int,
+    *,
+    size: int | None = None,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+    device: str = "cpu",
 ) -> float:
     """``2 * size**3`` FLOPs of a ``size`` x ``size`` float32 ``torch.matmul`` on ``threads`` torch
     threads over the median ``clock`` seconds of ``repeats`` products after one warm-up: the machine's
     best case. ``clock=time.process_time`` gives FLOPs per CPU second (every thread's time summed), a
-    rate the load of the machine barely moves. Restores the thread count."""
+    rate the load of the machine barely moves. Restores the thread count.
+
+    ``device`` (a torch device name: ``cpu``, ``cuda``, ``cuda:N``) is where the product runs; on a GPU
+    each product is timed by the wall clock up to the device's finishing it (kernels run asynchronously),
+    the operands live there, and ``size`` defaults to 8192 (a GPU needs a larger product than the CPU's
+    2048 to reach its peak). float32 products run at torch's default precision for them, the one
+    training uses (no TF32 unless the caller allowed it)."""
     import torch
 
+    where = torch.device(device)
+
+    def finish() -> None:
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+
+    side = size if size is not None else (8192 if where.type == "cuda" else 2048)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(0)
-        a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+        a = torch.randn(side, side, generator=gen).to(where)
+        b = torch.randn(side, side, generator=gen).to(where)
         torch.matmul(a, b)
+        finish()
         seconds = []
         for _ in range(repeats):
             start = clock()
             torch.matmul(a, b)
+            finish()
             seconds.append(clock() - start)
     finally:
         torch.set_num_threads(before)
-    return 2 * size**3 / statistics.median(seconds)
+    return 2 * side**3 / statistics.median(seconds)
+
+
+def host_device_bytes_per_second(
+    device: str, *, nbytes: int = 2**26, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """Bytes per second of copying a float32 tensor of ``nbytes`` from (pageable) host memory to
+    ``device`` (``host_to_device``) and back (``device_to_host``), each the median of ``repeats`` copies
+    after one warm-up, timed up to the device's finishing them: the rates at which a round's messages
+    cross between the host, where the codec and the enclave work, and a GPU. ``device`` must be a GPU
+    (``cuda`` or ``cuda:N``): on the CPU nothing crosses."""
+    import torch
+
+    where = torch.device(device)
+    if where.type != "cuda":
+        raise ValueError(f"device {device!r}: host-device copies are measured for a GPU (cuda, cuda:N)")
+    host = torch.ones(nbytes // 4, dtype=torch.float32)
+    on_device = host.to(where)
+    torch.cuda.synchronize(where)
+
+    def rate(copy: Callable[[], Any]) -> float:
+        copy()
+        torch.cuda.synchronize(where)
+        seconds = []
+        for _ in range(repeats):
+            start = clock()
+            copy()
+            torch.cuda.synchronize(where)
+            seconds.append(clock() - start)
+        return host.numel() * 4 / statistics.median(seconds)
+
+    return {
+        "host_to_device": rate(lambda: host.to(where)),
+        "device_to_host": rate(lambda: on_device.to("cpu")),
+    }
 
 
 def training_flops(model: Any, x: Any) -> int:

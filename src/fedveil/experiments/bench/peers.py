@@ -43,6 +43,11 @@ each row also has:
   ``threads`` threads, measured once per run in a fresh process (the same torch as every peer);
 - ``fraction_of_floor``: ``flops_per_round / peak_gemm_flops_per_second / cpu_seconds_per_round``, the
   share of the CPU time that the arithmetic at the peak rate would take (1.0: a round all GEMM at peak).
+  A fedveil row whose clients train on a GPU is held to the GPU's floor instead: its
+  ``peak_gemm_flops_per_second`` is the GPU's (FLOPs per second of wall time, the operands on the GPU)
+  and its ``fraction_of_floor`` is ``flops_per_round / peak_gemm_flops_per_second / seconds_per_round``
+  (the CPU time of a GPU round measures the host's share of it, not the arithmetic). Every row's
+  ``floor_basis`` says which.
 
 Every process of the run (the frameworks' and the peak GEMM's) gets ``OMP_WAIT_POLICY=PASSIVE`` unless
 the caller's environment sets it: by default OpenMP's idle threads spin, and on a loaded machine a thread
@@ -79,6 +84,7 @@ from fedveil.experiments.bench.scale import (
     measure_in_subprocess,
     scale_users,
 )
+from fedveil.models.device import resolve_device
 
 __all__ = [
     "FRAMEWORKS",
@@ -278,12 +284,14 @@ def run_environment() -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
 
 
-def measure_peak_gemm(threads: int) -> float:
+def measure_peak_gemm(threads: int, device: str = "cpu") -> float:
     """:func:`~fedveil.experiments.bench.floor.peak_gemm_flops_per_second` per CPU second on ``threads``
-    threads, in a fresh process of :func:`run_environment` (OpenMP reads it when torch loads)."""
+    threads, in a fresh process of :func:`run_environment` (OpenMP reads it when torch loads); with a GPU
+    ``device`` (``cuda``, ``cuda:N``), per second of wall time on that GPU."""
+    clock = "time.process_time" if device == "cpu" else "time.perf_counter"
     code = (
         "import time; from fedveil.experiments.bench.floor import peak_gemm_flops_per_second as peak; "
-        f"print(peak({threads}, clock=time.process_time))"
+        f"print(peak({threads}, clock={clock}, device={device!r}))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=run_environment()
@@ -392,6 +400,10 @@ def bench_peers(
     manifest = write_task(task, clients=clients, samples=samples, rounds=rounds, cohorts=cohorts, seed=seed)
     peak = measure_peak_gemm(threads)
     progress(f"bench peers: peak GEMM {peak / 1e9:.1f} GFLOP per CPU second on {threads} threads")
+    gpu = resolve_device(device) if device != "cpu" else None
+    gpu_peak = measure_peak_gemm(threads, str(gpu)) if gpu is not None and gpu.type == "cuda" else None
+    if gpu_peak is not None:
+        progress(f"bench peers: peak GEMM {gpu_peak / 1e9:.1f} GFLOP per second on {gpu}")
     rows = []
     for name in frameworks:
         for cohort in cohorts:
@@ -410,7 +422,12 @@ def bench_peers(
                     threads=threads,
                     device=device,
                 )
-            row.update(floor_fields(manifest, cohort, row["cpu_seconds_per_round"], peak))
+            if gpu_peak is not None and name not in PEERS:
+                row.update(floor_fields(manifest, cohort, row["seconds_per_round"], gpu_peak))
+                row["floor_basis"] = f"seconds per round at {gpu}'s peak GEMM per second"
+            else:
+                row.update(floor_fields(manifest, cohort, row["cpu_seconds_per_round"], peak))
+                row["floor_basis"] = "CPU seconds per round at the CPU's peak GEMM per CPU second"
             rows.append(row)
             progress(
                 f"bench peers: {name}, {cohort} per round: {row['seconds_per_round']:.3f} s/round, "
@@ -422,16 +439,17 @@ def bench_peers(
     return result
 
 
-def floor_fields(manifest: dict[str, Any], cohort: int, cpu_seconds: float, peak: float) -> dict[str, float]:
+def floor_fields(manifest: dict[str, Any], cohort: int, seconds: float, peak: float) -> dict[str, float]:
     """``flops_per_round``, ``peak_gemm_flops_per_second`` and ``fraction_of_floor`` of a round of
-    ``cohort`` clients of the task ``manifest`` that took ``cpu_seconds`` CPU seconds, at ``peak`` FLOPs
-    per CPU second (module docstring)."""
+    ``cohort`` clients of the task ``manifest`` that took ``seconds`` (CPU seconds, at ``peak`` FLOPs per
+    CPU second; or, for a GPU row, wall seconds at the GPU's ``peak`` FLOPs per second: module
+    docstring)."""
     examples = cohort * manifest["samples_per_client"] * manifest["local_epochs"]
     flops = examples * manifest["training_flops_per_example"]
     return {
         "flops_per_round": flops,
         "peak_gemm_flops_per_second": peak,
-        "fraction_of_floor": flops / peak / cpu_seconds,
+        "fraction_of_floor": flops / peak / seconds,
     }
 
 
@@ -461,11 +479,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['fraction_of_floor']:>8.3f} {r['first_round_seconds']:>8.2f} {r['startup_seconds']:>10.2f} "
             f"{r['peak_rss_bytes'] / 2**20:>12,.0f} {r['accuracy']:>8.4f}"
         )
-    if result["rows"]:
-        peak = result["rows"][0]["peak_gemm_flops_per_second"]
+    bases = {r.get("floor_basis", "CPU seconds"): r["peak_gemm_flops_per_second"] for r in result["rows"]}
+    for basis, peak in bases.items():
         lines.append(
             f"floor: {task['training_flops_per_example'] / 1e6:.1f} MFLOP per example (forward + backward), "
-            f"peak GEMM {peak / 1e9:.1f} GFLOP per CPU second"
+            f"peak GEMM {peak / 1e9:.1f} GFLOP; of floor = {basis}"
         )
     for cohort, others in result["speedup"].items():
         ratios = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in others.items())

@@ -12,7 +12,8 @@ The floor (what no implementation can beat) is measured in the same run:
 - ``device_flops_per_round``: floating-point operations of the devices' work in one round (forward of
   the cohort's samples and the per-device backward), *counted* by torch's ``FlopCounterMode`` over the
   client pool's calls, not estimated;
-- ``peak_gemm_gflops``: a large square float32 matmul at the same thread count (the machine's best case);
+- ``peak_gemm_gflops``: a large square float32 matmul at the same thread count, on the run's ``device``
+  (the machine's best case: the CPU's, or the GPU's when the devices train on one);
 - ``alg1_seconds``: the enclave's Alg. 1 on a round's embeddings (participants x samples, 64-d): a
   cohort drawn after the timed blocks and embedded by the network as it then stands
   (:func:`fedveil.experiments.bench.enclave.cohort_embeddings`), so untrained or trained as the timed
@@ -22,7 +23,13 @@ The floor (what no implementation can beat) is measured in the same run:
 - ``copied_bytes_per_round`` at the measured memcpy rate: every distinct message written once and read
   once (a broadcast is encoded once for all its recipients: ``bytes_down_coded_per_round``, not the
   metered ``bytes_down_per_round``), and the aggregation's one read of every upload (Eq. 2);
-- ``floor_seconds`` = device FLOPs at the peak GEMM rate + Alg. 1 + sealing + copying, and
+- on a GPU only, ``host_to_device_bytes_per_round`` (every distinct message sent down,
+  ``bytes_down_coded_per_round``) and ``device_to_host_bytes_per_round`` (every upload,
+  ``bytes_up_per_round``) at the measured copy rates each way (``host_to_device_bytes_per_second``,
+  ``device_to_host_bytes_per_second``): the codec and the enclave work in host memory, so each message
+  crosses between the host and the GPU at least once;
+- ``floor_seconds`` = device FLOPs at the peak GEMM rate + Alg. 1 + sealing + copying (+ crossing, on a
+  GPU), and
   ``fraction_of_floor`` = floor_seconds / measured seconds per round (1.0 would be a round at the floor).
 
 Two cases for FDML, side by side (``trained_lr``): the config as given (FDML's lr 1e-4 by default, at
@@ -51,9 +58,10 @@ from fedveil.core.heap import retain_freed_memory
 from fedveil.enclave.triplet import TripletResult, loss_and_derivatives
 from fedveil.errors import ConfigError
 from fedveil.experiments.bench.enclave import cohort_embeddings
-from fedveil.experiments.bench.floor import peak_gemm_flops_per_second
+from fedveil.experiments.bench.floor import host_device_bytes_per_second, peak_gemm_flops_per_second
 from fedveil.experiments.config import ExperimentConfig, load_config
 from fedveil.experiments.fdml.runner import EMBEDDING_DIM, build_population, build_trainer
+from fedveil.models.device import resolve_device
 from fedveil.runtime.threads import thread_settings
 
 
@@ -91,7 +99,7 @@ def bench_rounds(
     settings = [f"protocol={protocol}", f"runtime.batched={str(batched).lower()}", *overrides]
     cfg = load_config(None, settings)
     population = build_population(cfg)
-    rates = _machine_rates(threads)
+    rates = _machine_rates(threads, str(resolve_device(cfg.device)))
     case = {"rounds": rounds, "repeats": repeats, "threads": threads, "profile": profile, "warmup": warmup}
     row = _bench_case(cfg, population, rates, **case)
     if trained_lr is not None:
@@ -173,6 +181,7 @@ def _bench_case(
         # every distinct message written once and read once, and the aggregation's read of every upload
         # (Eq. 2 in the enclave, FedAvg's average on the server)
         copied_bytes=2 * (bytes_up + coded_down) + bytes_up,
+        crossing_bytes={"host_to_device": coded_down, "device_to_host": bytes_up},
         rates=rates,
     )
     return {
@@ -338,13 +347,20 @@ def _median_seconds(fn: Any, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def _machine_rates(threads: int) -> dict[str, float]:
+def _machine_rates(threads: int, device: str = "cpu") -> dict[str, float]:
     """The machine's rates under the floor, measured here: the peak GEMM (GFLOP/s on ``threads`` torch
-    threads), AES-256-GCM sealing and memcpy (bytes per second)."""
+    threads, on ``device``: where the devices train), AES-256-GCM sealing and memcpy (bytes per second,
+    in host memory, where the codec and the enclave work), and on a GPU the copy rates between host
+    memory and it, each way (:func:`~fedveil.experiments.bench.floor.host_device_bytes_per_second`)."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     torch.set_num_threads(threads)
-    peak = peak_gemm_flops_per_second(threads) / 1e9
+    peak = peak_gemm_flops_per_second(threads, device=device) / 1e9
+    crossing = {}
+    if torch.device(device).type == "cuda":
+        crossing = {
+            f"{way}_bytes_per_second": rate for way, rate in host_device_bytes_per_second(device).items()
+        }
     block = os.urandom(2**20)
     aes, nonce = AESGCM(os.urandom(32)), os.urandom(12)
     aes_rate = len(block) / _median_seconds(lambda: aes.encrypt(nonce, block, None))
@@ -354,6 +370,7 @@ def _machine_rates(threads: int) -> dict[str, float]:
         "peak_gemm_gflops": peak,
         "aes_gcm_bytes_per_second": aes_rate,
         "memcpy_bytes_per_second": copy_rate,
+        **crossing,
     }
 
 
@@ -363,10 +380,13 @@ def _floor(
     alg1: Callable[[], TripletResult] | None,
     sealed_bytes: float,
     copied_bytes: float,
+    crossing_bytes: dict[str, float],
     rates: dict[str, float],
 ) -> dict[str, Any]:
     """The floor's parts (module docstring) at the measured ``rates`` (:func:`_machine_rates`), with
-    ``alg1`` (Alg. 1 on a round's embeddings; None: no enclave, FedAvg) timed here."""
+    ``alg1`` (Alg. 1 on a round's embeddings; None: no enclave, FedAvg) timed here. ``crossing_bytes``
+    (bytes a round moves ``host_to_device`` and ``device_to_host``) count only where ``rates`` has the
+    copy rates between host and GPU, i.e. when the devices train on a GPU."""
     alg1_seconds = _median_seconds(alg1) if alg1 is not None else 0.0
     active = alg1().active_fraction if alg1 is not None else None
     parts = {
@@ -378,10 +398,16 @@ def _floor(
         "sealed_bytes_per_round": sealed_bytes,
         "copied_bytes_per_round": copied_bytes,
     }
+    crossing_seconds = 0.0
+    for way, nbytes in crossing_bytes.items():
+        if f"{way}_bytes_per_second" in rates:
+            parts[f"{way}_bytes_per_round"] = nbytes
+            crossing_seconds += nbytes / rates[f"{way}_bytes_per_second"]
     parts["floor_seconds"] = (
         parts["device_seconds_at_peak"]
         + alg1_seconds
         + sealed_bytes / rates["aes_gcm_bytes_per_second"]
         + copied_bytes / rates["memcpy_bytes_per_second"]
+        + crossing_seconds
     )
     return parts
