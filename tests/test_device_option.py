@@ -182,6 +182,11 @@ def test_gpu_check_dry_run_says_the_cuda_half_and_runs_the_cpu_half(tmp_path: Pa
     assert aiot["run"]["device"] == "cpu" and "ours/0" in aiot["results"]
     assert "skipped" in (out / "pytest-gpu.txt").read_text() and (out / "pytest-gpu.xml").is_file()
     assert "finished in" in done.stderr and "0 failed step(s)" in done.stderr
+    # the table for docs/benchmarks.md: the cpu figures read off the files, the cuda half not run
+    table = (out / "gpu-table.md").read_text()
+    updates = json.loads((out / "bench-fedavg-cpu.json").read_text())["batched_updates_per_second"]
+    assert f"| FedAvg client updates/s, batched (vmap) | not run | {updates:.4g} | n/a |" in table
+    assert "- bench-rounds on cpu: `" in table and "GPU: unknown" in table
     # the steps said, not run (each builds the 60,000-image stand-in): their commands parse, on each device
     said = re.findall(r"would run (\S+) on (cuda|cpu): (.*?)(?: > \S+)?$", done.stderr, re.MULTILINE)
     steps = {(step, device) for step, device, _ in said}
