@@ -596,3 +596,30 @@ def test_bench_scale_and_peers_forward_the_device_to_fedveils_setting_process(
     assert [r["device"] for r in result["rows"]] == [ASKED]
     rows = scale.bench_scale(clients=[3], actors=[], per_round=2, rounds=1, samples=2, device=ASKED)["rows"]
     assert [r["device"] for r in rows] == [ASKED] and commands[-1][-2:] == ["--device", ASKED]
+
+
+def test_reproduce_sends_device_to_every_cell_and_refuses_a_missing_gpu_before_any(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedveil reproduce TABLE --device D`` is ``--set device=D`` for every cell (after the other sets,
+    so it wins), and a device this machine lacks, or a misspelt one, fails before a cell starts."""
+    from fedveil.commands import reproduce as command
+
+    asked: list[list[str]] = []
+
+    def fake(table: str, **kwargs: Any) -> dict[str, Any]:
+        asked.append(list(kwargs["overrides"]))
+        (kwargs["out"] / table).mkdir(parents=True)
+        (kwargs["out"] / table / "summary.md").write_text("summary\n")
+        return {"cells": []}
+
+    monkeypatch.setattr(command, "reproduce", fake)
+    out = tmp_path / "runs"
+    assert main(["reproduce", "table1", "--set", "device=cuda", "--device", "cpu", "--out", str(out)]) == 0
+    assert asked == [["device=cuda", "device=cpu"]]
+    for spec, says in (("cuda", "sees no CUDA device"), ("gpu", "'gpu'")):
+        if spec == "cuda" and not NO_CUDA:
+            continue
+        assert main(["reproduce", "table1", "--device", spec, "--out", str(tmp_path / spec)]) == 2
+        assert says in capsys.readouterr().err and not (tmp_path / spec).exists()
+    assert len(asked) == 1

@@ -26,6 +26,12 @@ def register(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="override every cell's config, e.g. --set rounds=200 (repeatable)",
     )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="where every cell trains: auto (CUDA when available), cpu, cuda or cuda:N (same as --set "
+        "device=D; default: each config's, auto)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / jobs)")
     p.add_argument(
@@ -61,12 +67,16 @@ def _positions(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the table and print its summary."""
+    """Run the table and print its summary; a ``--device`` this machine lacks fails before any cell."""
+    if args.device is not None:
+        from fedveil.models.device import resolve_device
+
+        resolve_device(args.device)
     summary = reproduce(
         args.table,
         configs=args.configs,
         out=args.out,
-        overrides=args.overrides,
+        overrides=[*args.overrides, *([f"device={args.device}"] if args.device is not None else [])],
         jobs=args.jobs,
         threads=args.threads,
         seeds=args.seeds,
