@@ -12,11 +12,12 @@ import argparse
 import json
 from typing import Any
 
+from fedveil.commands import device_spec
 from fedveil.enclave.triplet import DEFAULT_MEMORY_LIMIT_BYTES, STRATEGIES
 from fedveil.errors import ConfigError
 from fedveil.experiments.bench.enclave import TRAINED_LR, TRAINED_ROUNDS
 from fedveil.experiments.fdml.triplet_reference import REFERENCE_MEMORY_BYTES
-from fedveil.models.device import check_device_spec, resolve_device
+from fedveil.models.device import resolve_device
 
 
 def register(subparsers: Any) -> None:
@@ -50,17 +51,10 @@ def _add_device(p: Any) -> None:
     """Add ``--device`` (:func:`~fedveil.models.device.resolve_device`) to the benchmark parser ``p``."""
     p.add_argument(
         "--device",
-        type=_device,
+        type=device_spec,
         default="cpu",
         help="where the benchmark trains: cpu (default), cuda, cuda:N or auto (CUDA when available)",
     )
-
-
-def _device(text: str) -> str:
-    try:
-        return check_device_spec(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _participants(text: str) -> list[int]:
