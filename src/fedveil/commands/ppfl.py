@@ -5,13 +5,15 @@
   trains PPFL (and end-to-end FedAvg over the same total rounds), writes the run directory
   (:func:`fedveil.experiments.ppfl.runner.run_ppfl`) and prints the per-layer summary.
 - ``fedveil ppfl attacks [--model M] [--model-init I] [--classifier-pool P] [--data D] [--dra-targets N]
-  [--seed S] [--out DIR] [--json]``: Table 2, each attack on what each observer sees
-  (:func:`fedveil.experiments.ppfl.attacks.ppfl_attack_table`).
+  [--seed S] [--device D] [--out DIR] [--json]``: Table 2, each attack on what each observer sees
+  (:func:`fedveil.experiments.ppfl.attacks.ppfl_attack_table`), the trainings and attacks on ``D``.
 - ``fedveil ppfl lira [--model M] [--model-init I] [--classifier-pool P] [--data D] [--clients C]
-  [--shadows S] [--systems LIST] [--seed S] [--out DIR] [--json]``: Table 2's membership row by LiRA, with
-  shadows trained the way E2E FedAvg and PPFL train (:func:`fedveil.experiments.ppfl.lira.ppfl_lira_table`).
+  [--shadows S] [--systems LIST] [--seed S] [--device D] [--out DIR] [--json]``: Table 2's membership row
+  by LiRA, with shadows trained the way E2E FedAvg and PPFL train, on ``D``
+  (:func:`fedveil.experiments.ppfl.lira.ppfl_lira_table`).
 - ``fedveil ppfl transfer CONFIG [--fractions F ...] [--last K ...] [--out DIR] [--json]``: Appendix A.1 /
-  Fig. 8, transfer from public data (:func:`fedveil.experiments.ppfl.transfer.run_transfer_sweep`).
+  Fig. 8, transfer from public data, on the config's ``device``
+  (:func:`fedveil.experiments.ppfl.transfer.run_transfer_sweep`).
 - ``fedveil ppfl cost [--model M] [--data D] [--steps N] [--repeats R] [--plot PNG] [--json]``: Fig. 3,
   a client's CPU time and memory with and without the TEE emulation
   (:func:`fedveil.experiments.ppfl.cost.measure_client_costs`).
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fedveil.commands import add_device_argument
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import add_run_arguments, run_sets
 from fedveil.experiments.config import run_overrides
@@ -67,6 +71,7 @@ def register(subparsers: Any) -> None:
     a.add_argument("--data", default="fashion-mnist", help="data set (default fashion-mnist)")
     a.add_argument("--dra-targets", type=int, default=5, help="batch-1 uploads DLG attacks (default 5)")
     a.add_argument("--seed", type=int, default=0, help="seed of everything random (default 0)")
+    add_device_argument(a, where="where the trainings and the attacks run")
     a.add_argument(
         "--out",
         type=Path,
@@ -95,6 +100,7 @@ def register(subparsers: Any) -> None:
         help="comma-separated, among e2e, ppfl-released, ppfl-kept (default all three)",
     )
     li.add_argument("--seed", type=int, default=0, help="seed of everything random (default 0)")
+    add_device_argument(li, where="where the targets and shadows train and are scored")
     li.add_argument(
         "--out",
         type=Path,
@@ -188,10 +194,14 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 def _attacks(args: argparse.Namespace) -> int:
+    """Table 2 on ``--device``: every training and attack there (:func:`ppfl_attack_table`)."""
     from fedveil.experiments.attacks.runs import membership_run
     from fedveil.experiments.ppfl.attacks import ppfl_attack_table, ppfl_like
 
-    images = membership_run(data=args.data, model=args.model, seed=args.seed, model_init=args.model_init)
+    images = replace(
+        membership_run(data=args.data, model=args.model, seed=args.seed, model_init=args.model_init),
+        device=args.device,
+    )
     summary = ppfl_attack_table(
         images=images,
         ppfl=ppfl_like(images, classifier_pool=args.classifier_pool),
@@ -215,6 +225,7 @@ def _attacks(args: argparse.Namespace) -> int:
 
 
 def _lira(args: argparse.Namespace) -> int:
+    """LiRA's Table 2 row on ``--device``: every target and shadow trains and is scored there."""
     from fedveil.experiments.attacks.runs import membership_run
     from fedveil.experiments.ppfl.lira import ppfl_lira_table
 
@@ -222,8 +233,11 @@ def _lira(args: argparse.Namespace) -> int:
         raise ConfigError(f"--clients {args.clients} must be >= 1")
     from fedveil.experiments.ppfl.attacks import ppfl_like
 
-    images = membership_run(
-        data=args.data, model=args.model, clients=args.clients, seed=args.seed, model_init=args.model_init
+    images = replace(
+        membership_run(
+            data=args.data, model=args.model, clients=args.clients, seed=args.seed, model_init=args.model_init
+        ),
+        device=args.device,
     )
     summary = ppfl_lira_table(
         images=images,

@@ -23,6 +23,14 @@ and by PPFL with the last layer kept in the TEEs. An observer taps every byte of
 With an output folder, each part (DLG on each E2E target, E2E's property and membership attacks, PPFL with
 the last layer kept, PPFL released) is written to ``parts/`` as it finishes, and a rerun with the same
 settings reads it instead of running it again (an earlier run's single ``e2e`` part too).
+
+**Where it runs.** ``images.device`` (:func:`~fedveil.models.device.resolve_device`) is where everything
+trains and attacks: E2E FedAvg's clients and PPFL's REEs and emulated client TEEs (their examples move
+there once per training), DLG's matching, the property attack's simulated updates and features, the
+observer's head and the membership attacks' scoring (the candidates move there once). The PPFL server's
+enclave stays on the CPU, and what the report holds comes back to host memory; the report records the
+resolved device (``run.device``). An output folder's parts are all computed on one device: a rerun on
+another is refused, naming both (:func:`~fedveil.experiments.ppfl.runner.claim_device`).
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ from fedveil.experiments.attacks.runs import (
     summarize_targets,
 )
 from fedveil.experiments.fedavg_images import FedAvgRun, split_images
-from fedveil.experiments.ppfl.runner import PpflRun, train_ppfl
+from fedveil.experiments.ppfl.runner import PpflRun, claim_device, train_ppfl
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ParameterPlan
@@ -62,8 +71,13 @@ from fedveil.protocols.ppfl_messages import LayerEvalRequest, LayerFitReply, Lay
 
 __all__ = ["auxiliary_examples", "ppfl_attack_table", "ppfl_like"]
 
+PARTS = ("parts/*.json",)
+"""What an earlier run of :func:`ppfl_attack_table` leaves in its output folder (parts, resumed from)."""
+
 
 def _ppfl_run(images: FedAvgRun, cfg: PpflConfig, tee_mib: float) -> PpflRun:
+    """PPFL on ``images``' clients and data with ``cfg``, devices' TEEs of ``tee_mib`` MiB, on
+    ``images.device`` (its REEs and emulated client TEEs)."""
     return PpflRun(
         name="ppfl_attacks",
         data=images.data,
@@ -77,7 +91,15 @@ def _ppfl_run(images: FedAvgRun, cfg: PpflConfig, tee_mib: float) -> PpflRun:
         tee_mib=(tee_mib,),
         e2e=False,
         ppfl=cfg,
+        device=images.device,
     )
+
+
+def _settings_images(images: FedAvgRun) -> str:
+    """``images`` as the parts' settings record it: without its device, which the output folder records
+    apart (:func:`~fedveil.experiments.ppfl.runner.claim_device`: one resolved device for all its parts,
+    whatever its spelling), so that parts written before that record still match."""
+    return repr(replace(images, device="auto"))
 
 
 def ppfl_like(images: FedAvgRun, *, classifier_pool: str = "none") -> PpflConfig:
@@ -111,20 +133,31 @@ def auxiliary_examples(split: Any, seed: int, count: int) -> Any:
 
 
 def _attacker_head(
-    frozen: nn.Module, head: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int, seed: int
+    frozen: nn.Module,
+    head: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int,
+    seed: int,
+    device: torch.device,
 ) -> nn.Module:
-    """The observer's classifier atop the released layers, trained on its auxiliary examples (Adam)."""
+    """The observer's classifier atop the released layers, trained on its auxiliary examples (Adam), on
+    ``device``: the head is drawn on the host (the seeded generator's draws), then ``frozen``, the head
+    and the examples move there once; the model returned is there."""
     torch.manual_seed(seed)
     for module in head.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
+    frozen, head = frozen.to(device), head.to(device)
+    x, y = x.to(device), y.to(device)
     with torch.no_grad():
         features = frozen.eval()(x)
     head.train().requires_grad_(True)
     opt = torch.optim.Adam(head.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
-        order = torch.randperm(len(features), generator=gen)
+        order = torch.randperm(len(features), generator=gen).to(device)
         for s in range(0, len(order), 32):
             idx = order[s : s + 32]
             opt.zero_grad()
@@ -200,12 +233,18 @@ def ppfl_attack_table(
     MiB. The observer's head trains ``head_epochs`` on ``aux_examples`` spare training examples. DLG
     attacks ``dra_targets`` batch-1 uploads; the property attack runs on its own recipe with
     ``pia_clients`` clients for ``pia_rounds`` rounds. ``e2e=False`` leaves out the E2E rows (each is
-    :mod:`fedveil.experiments.attacks.runs`' own experiment)."""
+    :mod:`fedveil.experiments.attacks.runs`' own experiment).
+
+    Everything trains and attacks on ``images.device`` (module docstring), resolved before anything
+    runs: a device this machine lacks, or an ``out`` whose parts were computed on another, fails first."""
     images = images or membership_run()
     cfg = ppfl or ppfl_like(images)
+    where = resolve_device(images.device)
+    if out is not None:
+        claim_device(out, where, artefacts=PARTS)
     table: dict[str, Any] = {}
     settings = {
-        "images": repr(images),
+        "images": _settings_images(images),
         "ppfl": repr(cfg),
         "tee_mib": tee_mib,
         "aux_examples": aux_examples,
@@ -291,16 +330,22 @@ def ppfl_attack_table(
         suffix = "" if keep else "-released"
         if keep:
             rows["dra/ppfl"] = _no_view(
-                "dlg", views, lambda v: dlg_attack(v, image_shape=shape, iterations=1)
+                "dlg", views, lambda v: dlg_attack(v, image_shape=shape, iterations=1, device=str(where))
             )
             rows["pia/ppfl"] = _no_view(
                 "melis",
                 views,
                 lambda v: melis_attack(
-                    [v], np.zeros(1, bool), aux_x, aux_y, np.zeros(8, bool), rng=np.random.default_rng(0)
+                    [v],
+                    np.zeros(1, bool),
+                    aux_x,
+                    aux_y,
+                    np.zeros(8, bool),
+                    rng=np.random.default_rng(0),
+                    device=str(where),
                 ),
             )
-        rows.update(_ppfl_membership(trained, split, images, aux_examples, head_epochs, keep, suffix))
+        rows.update(_ppfl_membership(trained, split, images, aux_examples, head_epochs, keep, suffix, where))
         rows[f"ppfl{suffix}/accuracy"] = trained.final.get(
             "accuracy", trained.server.reports[-1].rounds[-1].get("accuracy")
         )
@@ -321,6 +366,7 @@ def ppfl_attack_table(
             "ppfl_rounds_per_stage": cfg.rounds_per_stage,
             "local_epochs": cfg.local_epochs,
             "aux_examples": aux_examples,
+            "device": str(where),
         },
         "attacks": {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in table.items()},
     }
@@ -333,16 +379,25 @@ def ppfl_attack_table(
 
 
 def _ppfl_membership(
-    trained: Any, split: Any, images: FedAvgRun, aux_examples: int, head_epochs: int, keep: bool, suffix: str
+    trained: Any,
+    split: Any,
+    images: FedAvgRun,
+    aux_examples: int,
+    head_epochs: int,
+    keep: bool,
+    suffix: str,
+    where: torch.device,
 ) -> dict[str, Any]:
     """MIA on PPFL's release: the observer's own head atop the released layers (kept), or the released
-    whole model (not kept)."""
+    whole model (not kept). The attacked model and the candidates' inputs move to ``where`` once, where
+    Yeom's losses and Nasr's features are computed (their labels stay on the host, beside the logits the
+    scoring brings back)."""
     n = len(split.members)
-    x = torch.from_numpy(np.concatenate([split.members.x, split.non_members.x[:n]]))
+    x = torch.from_numpy(np.concatenate([split.members.x, split.non_members.x[:n]])).to(where)
     y = torch.from_numpy(np.concatenate([split.members.y, split.non_members.y[:n]]))
     is_member = np.r_[np.ones(n, bool), np.zeros(n, bool)]
-    device = next(c for c in trained.pool.client_ids() if c not in trained.pool.evaluators)
-    frozen = nn.Sequential(*trained.pool.frozen[device])
+    client = next(c for c in trained.pool.client_ids() if c not in trained.pool.evaluators)
+    frozen = nn.Sequential(*trained.pool.frozen[client])
     if keep:
         aux = auxiliary_examples(split, images.seed, aux_examples)
         head = copy.deepcopy(nn.Sequential(*trained.model.layer_units()[conv_units(trained.model) :]))
@@ -353,16 +408,17 @@ def _ppfl_membership(
             torch.from_numpy(np.array(aux.y)),
             epochs=head_epochs,
             seed=images.seed,
+            device=where,
         )
         observer = "observer: released layers + its own head trained on auxiliary data"
     else:
-        model = trained.pool.trained_model(device)
+        model = trained.pool.trained_model(client).to(where)
         observer = "observer: released whole model"
     view = ModelView(observer, model)
     train_loss = float(per_example_loss(model, x[:n], y[:n]).mean())
     rng = np.random.default_rng(images.seed)
     yeom = yeom_attack(view, x, y, is_member, mean_train_loss=train_loss)
-    nasr = nasr_attack(view, x, y, is_member, rng=rng)
+    nasr = nasr_attack(view, x, y, is_member, rng=rng, device=str(where))
     return {
         f"mia-yeom/ppfl{suffix}": {**yeom.as_dict(), "observer": observer},
         f"mia-nasr/ppfl{suffix}": {**nasr.as_dict(), "observer": observer},

@@ -28,6 +28,15 @@ The run is long: ``3 x (shadows + 1)`` federated trainings, or ``2 x (shadows + 
 are attacked (one PPFL training serves both). With an output folder, every shadow's phis
 are kept in ``shadows/<system>/`` and every finished system in ``parts/``. A rerun with the same
 settings resumes from them.
+
+**Where it runs.** ``images.device`` (:func:`~fedveil.models.device.resolve_device`) is where every
+target and shadow trains (E2E FedAvg's clients, PPFL's REEs and emulated client TEEs, the ``ppfl-kept``
+observer's head: their examples move there once per training) and where each model is scored (LiRA's
+logits, the target's test accuracy). The candidates stay in host memory, where the shadow cache's
+fingerprint reads them, and move to the device in LiRA's scoring batches; what the report holds comes back
+to host memory, and it records the resolved device (``run.device``). An output folder's shadows and parts
+are all computed on one device: a rerun on another is refused, naming both
+(:func:`~fedveil.experiments.ppfl.runner.claim_device`).
 """
 
 from __future__ import annotations
@@ -51,13 +60,24 @@ from fedveil.data.partition import partition, to_federated
 from fedveil.errors import ConfigError
 from fedveil.experiments.attacks.runs import membership_run
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
-from fedveil.experiments.ppfl.attacks import _attacker_head, _part, _ppfl_run, auxiliary_examples, ppfl_like
-from fedveil.experiments.ppfl.runner import TrainedPpfl, train_ppfl
+from fedveil.experiments.ppfl.attacks import (
+    _attacker_head,
+    _part,
+    _ppfl_run,
+    _settings_images,
+    auxiliary_examples,
+    ppfl_like,
+)
+from fedveil.experiments.ppfl.runner import TrainedPpfl, claim_device, train_ppfl
+from fedveil.models.device import module_device, resolve_device
 from fedveil.protocols.ppfl import PpflConfig, conv_units
 
 __all__ = ["SYSTEMS", "ppfl_lira_table"]
 
 SYSTEMS = ("e2e", "ppfl-released", "ppfl-kept")
+
+KEPT = ("parts/*.json", "shadows/*/shadow*.npz")
+"""What an earlier run of :func:`ppfl_lira_table` leaves in its output folder (resumed from)."""
 
 
 def _shadow_split(
@@ -92,6 +112,10 @@ def ppfl_lira_table(
     ``images`` is the member split and E2E recipe. The default is :func:`membership_run` with 25 clients,
     giving 1,000 members and 1,000 non-members. PPFL trains the same clients with the same local settings,
     each stage for E2E's rounds divided by the number of stages. ``shadows`` is at least 4.
+
+    Everything trains and is scored on ``images.device`` (module docstring), resolved before anything
+    runs: a device this machine lacks, or an ``out`` whose shadows and parts were computed on another,
+    fails first.
     """
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
@@ -101,6 +125,9 @@ def ppfl_lira_table(
             f"shadows={shadows!r}: online LiRA needs at least 4 (two IN and two OUT per example)"
         )
     images = images or membership_run(clients=25)
+    where = resolve_device(images.device)
+    if out is not None:
+        claim_device(out, where, artefacts=KEPT)
     split = split_images(images)
     n = len(split.members)
     if len(split.non_members) < n:
@@ -110,9 +137,10 @@ def ppfl_lira_table(
     is_member = np.r_[np.ones(n, bool), np.zeros(n, bool)]
     cfg = ppfl or ppfl_like(images)
     aux = auxiliary_examples(split, images.seed, aux_examples)
-    aux_x, aux_y = torch.from_numpy(np.array(aux.x)), torch.from_numpy(np.array(aux.y))
+    # the observer's examples move to the device once, for the head of every shadow
+    aux_x, aux_y = torch.from_numpy(np.array(aux.x)).to(where), torch.from_numpy(np.array(aux.y)).to(where)
     settings = {
-        "images": repr(images),
+        "images": _settings_images(images),
         "ppfl": repr(cfg),
         "shadows": shadows,
         "tee_mib": tee_mib,
@@ -122,19 +150,22 @@ def ppfl_lira_table(
 
     kept_views: dict[tuple[int, str], nn.Module] = {}
 
-    def kept_view(trained: TrainedPpfl, device: str, seed: int) -> nn.Module:
-        """The ``ppfl-kept`` observer's model: the released convolutional units under its own head."""
-        frozen = nn.Sequential(*trained.pool.frozen[device][: conv_units(trained.model)])
+    def kept_view(trained: TrainedPpfl, client: str, seed: int) -> nn.Module:
+        """The ``ppfl-kept`` observer's model on the device: the released convolutional units under its
+        own head."""
+        frozen = nn.Sequential(*trained.pool.frozen[client][: conv_units(trained.model)])
         head = copy.deepcopy(nn.Sequential(*trained.model.layer_units()[conv_units(trained.model) :]))
-        return _attacker_head(frozen, head, aux_x, aux_y, epochs=head_epochs, seed=seed)
+        return _attacker_head(frozen, head, aux_x, aux_y, epochs=head_epochs, seed=seed, device=where)
 
     def train(system: str, data: ImageSplit, seed: int) -> nn.Module:
         """One model of ``system`` on ``data``, as the observer sees it. Keeping the last layer in the TEEs
         changes only what the final stage releases, so when both PPFL rows are attacked, one training
         serves both: the ``ppfl-kept`` view is taken from the ``ppfl-released`` training's convolutional
-        units (tested equal to training with the layer kept) and used when that row asks for it."""
+        units (tested equal to training with the layer kept) and used when that row asks for it. The model
+        returned is on the device, where LiRA scores it."""
         if system == "e2e":
-            return train_fedavg(replace(images, seed=seed), split=data, progress=False).model().eval()
+            trained_e2e = train_fedavg(replace(images, seed=seed), split=data, progress=False)
+            return trained_e2e.model().eval().to(where)
         key = (seed, _fingerprint(data))
         if system == "ppfl-kept" and key in kept_views:
             return kept_views.pop(key)
@@ -145,12 +176,12 @@ def ppfl_lira_table(
             ),
             data,
         )
-        device = next(c for c in trained.pool.client_ids() if c not in trained.pool.evaluators)
+        client = next(c for c in trained.pool.client_ids() if c not in trained.pool.evaluators)
         if keep:
-            return kept_view(trained, device, seed)
+            return kept_view(trained, client, seed)
         if "ppfl-kept" in systems:
-            kept_views[key] = kept_view(trained, device, seed)
-        return trained.pool.trained_model(device).eval()
+            kept_views[key] = kept_view(trained, client, seed)
+        return trained.pool.trained_model(client).eval().to(where)
 
     def rows(system: str) -> dict[str, Any]:
         target = train(system, split, images.seed)
@@ -190,6 +221,7 @@ def ppfl_lira_table(
             "local_epochs": cfg.local_epochs,
             "shadows": shadows,
             "aux_examples": aux_examples,
+            "device": str(where),
         },
         "attacks": table,
     }
@@ -210,6 +242,7 @@ def _fingerprint(data: ImageSplit) -> str:
 
 
 def _accuracy(model: nn.Module, test: ImageData) -> float:
+    """``model``'s accuracy on ``test``, computed where the model is (the test inputs move there once)."""
     with torch.no_grad():
-        logits = model.eval()(torch.from_numpy(np.array(test.x)))
-    return float((logits.argmax(1).numpy() == test.y).mean())
+        logits = model.eval()(torch.from_numpy(np.array(test.x)).to(module_device(model)))
+    return float((logits.argmax(1).cpu().numpy() == test.y).mean())

@@ -109,7 +109,21 @@ from fedveil.runtime.enclave_host import BOUNDARIES, EnclaveHost
 from fedveil.runtime.quoting import SimulatedPlatform
 from fedveil.runtime.simulation import SimulationRuntime
 
-__all__ = ["PpflRun", "TrainedPpfl", "load_ppfl_run", "run_ppfl", "train_central", "train_e2e", "train_ppfl"]
+__all__ = [
+    "DEVICE_RECORD",
+    "PpflRun",
+    "TrainedPpfl",
+    "claim_device",
+    "load_ppfl_run",
+    "run_ppfl",
+    "train_central",
+    "train_e2e",
+    "train_ppfl",
+]
+
+DEVICE_RECORD = "device.json"
+"""The file of an output folder of parts (``fedveil ppfl attacks``, ``lira``, ``transfer``) that says
+where they were computed (:func:`claim_device`)."""
 
 EVALUATOR = "evaluator"
 SEALING_KEY = "sealing.key"
@@ -233,6 +247,29 @@ def _unused_settings(run: PpflRun) -> list[tuple[str, bool, str]]:
 
 def _write_json(path: Path, value: Any) -> None:
     atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+def claim_device(out: Path, device: torch.device, *, artefacts: Sequence[str]) -> None:
+    """Make sure every part kept in ``out`` is computed on one device: record ``device`` (resolved) in
+    ``out/device.json``, or refuse, naming both devices, when the folder's parts were computed on another
+    (a resumed run never mixes them). A folder holding any of ``artefacts`` (glob patterns, e.g.
+    ``parts/*.json``) without the record was written before parts recorded their device, when fedveil
+    ran all of them on the CPU: it counts as the CPU's."""
+    record = out / DEVICE_RECORD
+    if record.is_file():
+        earlier = str(json.loads(record.read_text(encoding="utf-8"))["device"])
+    elif any(any(out.glob(pattern)) for pattern in artefacts):
+        earlier = "cpu"
+    else:
+        earlier = None
+    if earlier is not None and earlier != str(device):
+        raise ConfigError(
+            f"{out} holds parts computed on {earlier}, and this run is on {device}: resume it with device "
+            f"{earlier}, or give another output folder (or delete {out}) to compute every part on {device}"
+        )
+    if not record.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(record, {"device": str(device)})
 
 
 def run_ppfl(
@@ -711,7 +748,7 @@ def _public_model(
         )
     index = np.sort(np.random.default_rng([run.seed, 11]).choice(pool, count, replace=False))
     public = split.train.subset(index)
-    trained = train_central(model, public, run.ppfl, run.public_epochs, seed=run.seed)
+    trained = train_central(model, public, run.ppfl, run.public_epochs, seed=run.seed, device=run.device)
     return trained, {
         "fraction": run.public_fraction,
         "samples": count,
@@ -720,30 +757,42 @@ def _public_model(
     }
 
 
-def train_central(model: nn.Module, data: ImageData, cfg: PpflConfig, epochs: int, *, seed: int) -> nn.Module:
+def train_central(
+    model: nn.Module,
+    data: ImageData,
+    cfg: PpflConfig,
+    epochs: int,
+    *,
+    seed: int,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
     """The server's training on public data (PPFL Appendix A.1): a copy of ``model`` trained centrally for
-    ``epochs`` epochs with the clients' optimiser settings (SGD, momentum, rate decayed per epoch)."""
-    trained = copy.deepcopy(model).train()
+    ``epochs`` epochs with the clients' optimiser settings (SGD, momentum, rate decayed per epoch).
+
+    It trains on ``device`` (:func:`~fedveil.models.device.resolve_device`), where the public examples
+    move once; the trained copy comes back to host memory, where the server's enclave reads it."""
+    where = resolve_device(device)
+    trained = copy.deepcopy(model).train().to(where)
     flat = FlatModel(trained)
     rng = np.random.default_rng([seed, 12])
-    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    x, y = torch.from_numpy(data.x).to(where), torch.from_numpy(data.y).to(where)
     batches, rates = [], []
     for epoch in range(epochs):
-        order = torch.from_numpy(rng.permutation(len(y)))
+        order = torch.from_numpy(rng.permutation(len(y))).to(where)
         for s in range(0, len(y), cfg.batch_size):
             idx = order[s : s + cfg.batch_size]
             batches.append((x[idx], y[idx]))
             rates.append(cfg.lr * cfg.epoch_decay**epoch)
     p, _ = local_train(
         lambda q, t, labels: nn.functional.cross_entropy(flat(q, t), labels),
-        torch.from_numpy(flat.initial()),
+        torch.from_numpy(flat.initial()).to(where),
         batches,
         cfg.optimizer(),
         rates,
         inplace=True,
     )
-    flat.load_into_module(p.detach().numpy())
-    return trained.eval()
+    flat.load_into_module(p.detach().cpu().numpy())
+    return trained.eval().cpu()
 
 
 def train_e2e(

@@ -8,6 +8,12 @@ paper's reference line), in ``OUT/e2e.jsonl``. A finished sub-run (its ``results
 run again, so an interrupted sweep resumes where it stopped. ``OUT/transfer.json`` collects the final
 accuracies, the public model's own accuracy before federated training, and E2E's; ``OUT/transfer.png``
 draws accuracy against ``k``, one line per fraction, as Fig. 8 does.
+
+Everything trains on the config's ``device`` (:func:`~fedveil.models.device.resolve_device`): the
+server's public model (:func:`~fedveil.experiments.ppfl.runner.train_central`), each PPFL run's REEs and
+emulated client TEEs, and E2E FedAvg's clients; ``transfer.json`` records the resolved device. A sweep
+folder's runs are all computed on one device: resuming it on another is refused, naming both
+(:func:`~fedveil.experiments.ppfl.runner.claim_device`).
 """
 
 from __future__ import annotations
@@ -22,9 +28,13 @@ from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
 from fedveil.experiments.fedavg_images import split_images
 from fedveil.experiments.plots import plot_series
-from fedveil.experiments.ppfl.runner import PpflRun, run_ppfl, train_e2e
+from fedveil.experiments.ppfl.runner import PpflRun, claim_device, run_ppfl, train_e2e
+from fedveil.models.device import resolve_device
 
 __all__ = ["run_transfer_sweep"]
+
+SWEEP = ("e2e.jsonl", "f*_last*")
+"""What an earlier sweep leaves in its folder (resumed from)."""
 
 
 def run_transfer_sweep(
@@ -36,7 +46,8 @@ def run_transfer_sweep(
     progress: Callable[[str], None] | None = None,
     show_bar: bool = True,
 ) -> dict[str, Any]:
-    """Run the sweep (module docstring) and return ``transfer.json``'s content."""
+    """Run the sweep (module docstring) on ``run.device`` and return ``transfer.json``'s content. A device
+    this machine lacks, or a sweep folder computed on another, fails before anything trains."""
     say = progress or (lambda _line: None)
     if not fractions or not lasts:
         raise ConfigError("a transfer sweep needs at least one public fraction and one train_last")
@@ -46,8 +57,9 @@ def run_transfer_sweep(
         for f in fractions
         for k in lasts
     ]  # every setting is checked before anything trains
+    where = resolve_device(run.device)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_device(out, where, artefacts=SWEEP)
     rows = []
     for sub in candidates:
         folder = out / f"f{sub.public_fraction:g}_last{sub.ppfl.train_last}"
@@ -86,6 +98,7 @@ def run_transfer_sweep(
         "model": run.model,
         "data": run.data,
         "rounds": run.ppfl.rounds_per_stage,
+        "device": str(where),
         "e2e_accuracy": e2e_accuracy,
         "runs": rows,
     }
