@@ -137,10 +137,43 @@ def test_ppfl_transfer_sweep_resumes_and_draws_fig_8(tmp_path: Path, capsys) -> 
     # training all four units needs more TEE than training the last one
     assert summary["runs"][1]["tee_bytes_needed"] > summary["runs"][0]["tee_bytes_needed"]
     assert (out / "transfer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["device"] == "cpu" and json.loads((out / "device.json").read_text()) == {"device": "cpu"}
     stamp = (out / "f0.5_last1" / "results.json").stat().st_mtime_ns
     assert main(argv) == 0
     assert "done before" in capsys.readouterr().out
     assert (out / "f0.5_last1" / "results.json").stat().st_mtime_ns == stamp
+
+
+def test_ppfl_transfer_trains_its_public_model_on_the_config_s_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's public model trains where the config's ``device`` says (the clients' PPFL and E2E
+    trainings already do); a sweep folder computed on another device is refused before anything trains."""
+    from fedveil.experiments.fedavg_images import split_images
+    from fedveil.experiments.ppfl import runner
+    from fedveil.experiments.ppfl.transfer import run_transfer_sweep
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY.replace("name: tiny", "name: tiny_transfer\npublic_epochs: 1"))
+    run = load_ppfl_run(config, {"public_fraction": 0.5, "ppfl": {"train_last": 1}, "device": "cpu"})
+    asked: list[object] = []
+    real = runner.train_central
+
+    def central(*a: object, device: object, **k: object) -> object:
+        asked.append(device)
+        return real(*a, device=device, **k)
+
+    monkeypatch.setattr(runner, "train_central", central)
+    split = split_images(run.images())
+    public, info = runner._public_model(run, split, runner._model(run, 10, 1, 28))
+    assert asked == ["cpu"] and info["samples"] == 36
+    assert all(p.device.type == "cpu" for p in public.parameters())  # back on the host, for the enclave
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "device.json").write_text(json.dumps({"device": "cuda:0"}))
+    monkeypatch.setattr("fedveil.experiments.ppfl.transfer.run_ppfl", lambda *a, **k: pytest.fail("trained"))
+    with pytest.raises(ConfigError, match="holds parts computed on cuda:0, and this run is on cpu"):
+        run_transfer_sweep(run, out, [0.5], [1])
 
 
 def test_ppfl_transfer_from_a_safetensors_file(tmp_path: Path) -> None:

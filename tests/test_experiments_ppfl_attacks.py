@@ -4,6 +4,7 @@ release is attacked as its observer would (with and without the last layer kept 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -190,3 +191,120 @@ def test_a_ppfl_training_with_dropout_does_not_depend_on_what_ran_before_it() ->
     assert len(released[0]) == len(released[1]) > 1
     for a, b in zip(*released, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _tiny_command(monkeypatch: pytest.MonkeyPatch) -> list[FedAvgRun]:
+    """``fedveil ppfl attacks`` at the tiny settings (the command's own defaults train for minutes): its
+    member split and table, each run's ``images`` kept."""
+    from fedveil.experiments.attacks import runs as attack_runs
+
+    seen: list[FedAvgRun] = []
+    table = ppfl_attacks.ppfl_attack_table
+
+    def tiny_table(*, images: FedAvgRun, **kw: object) -> dict[str, object]:
+        seen.append(images)
+        return table(images=images, **{**kw, **TINY})
+
+    monkeypatch.setattr(attack_runs, "membership_run", lambda **kw: _images(seed=kw["seed"]))
+    monkeypatch.setattr(ppfl_attacks, "ppfl_attack_table", tiny_table)
+    return seen
+
+
+def test_device_cpu_and_the_default_give_the_same_numbers_and_share_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--device`` reaches the table (default ``auto``, the CPU here); the report records the resolved
+    device; ``cpu`` and ``auto`` resolve alike here, so their numbers are the same bits and a folder
+    written by one resumes with the other."""
+    from fedveil.cli import main
+
+    seen = _tiny_command(monkeypatch)
+    assert main(["ppfl", "attacks", "--json", "--out", str(tmp_path / "auto")]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main(["ppfl", "attacks", "--device", "cpu", "--json", "--out", str(tmp_path / "cpu")]) == 0
+    cpu = json.loads(capsys.readouterr().out)
+    assert [images.device for images in seen] == ["auto", "cpu"]
+    assert default == cpu and cpu["run"]["device"] == "cpu"
+    assert json.loads((tmp_path / "cpu" / "device.json").read_text()) == {"device": "cpu"}
+    monkeypatch.setattr(ppfl_attacks, "train_ppfl", lambda *a, **k: pytest.fail("a finished part ran again"))
+    assert main(["ppfl", "attacks", "--device", "cpu", "--json", "--out", str(tmp_path / "auto")]) == 0
+    assert json.loads(capsys.readouterr().out) == cpu
+
+
+@pytest.mark.parametrize("action", ["attacks", "lira"])
+def test_a_misspelt_device_fails_as_the_options_are_parsed(
+    action: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedveil.cli import main
+    from fedveil.experiments.attacks import runs as attack_runs
+
+    monkeypatch.setattr(attack_runs, "membership_run", lambda **k: pytest.fail("the command started"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["ppfl", action, "--device", "gpu:0"])
+    assert exit_.value.code == 2
+    assert "device: 'gpu:0' is not one of auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_the_device_reaches_every_training_and_attack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each part is handed the run's resolved device: PPFL's training (its REEs and client TEEs), the
+    sealed views' DLG and property attacks, the observer's head, Nasr's features; Yeom's losses and the
+    attacked models are on it. (A CUDA device is compared with the CPU in tests/test_gpu_ppfl_attacks.py.)"""
+    from fedveil.attacks.scores import model_logits
+    from fedveil.models.device import module_device
+
+    calls: dict[str, list[object]] = {}
+
+    def spy(name: str, real: object, pick: object) -> None:
+        def wrapped(*a: object, **k: object) -> object:
+            calls.setdefault(name, []).append(pick(*a, **k))
+            return real(*a, **k)
+
+        monkeypatch.setattr(ppfl_attacks, name, wrapped)
+
+    spy("train_ppfl", ppfl_attacks.train_ppfl, lambda run, *a, **k: run.device)
+    for name in ("dlg_attack", "melis_attack", "nasr_attack", "_attacker_head"):
+        spy(name, getattr(ppfl_attacks, name), lambda *a, **k: str(k.get("device")))
+    spy("per_example_loss", ppfl_attacks.per_example_loss, lambda model, x, y: str(module_device(model)))
+
+    def yeom_logits(model: torch.nn.Module, x: torch.Tensor, **k: object) -> torch.Tensor:
+        calls.setdefault("yeom", []).append(str(module_device(model)))
+        return model_logits(model, x, **k)
+
+    monkeypatch.setattr("fedveil.attacks.mia_yeom.model_logits", yeom_logits)
+    summary = ppfl_attack_table(images=replace(_images(), device="cpu"), **TINY)
+    assert summary["run"]["device"] == "cpu"
+    assert calls == {
+        "train_ppfl": ["cpu", "cpu"],
+        "dlg_attack": ["cpu"],
+        "melis_attack": ["cpu"],
+        "_attacker_head": ["cpu"],
+        "per_example_loss": ["cpu", "cpu"],
+        "yeom": ["cpu"] * 4,
+        "nasr_attack": ["cpu", "cpu"],
+    }
+
+
+def test_a_folder_of_parts_from_another_device_is_refused_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts are never mixed across devices: ``device.json`` says where a folder's parts were computed,
+    a folder of parts without it (written before the record) counts as the CPU's, and a run on another
+    device is refused before anything trains."""
+    from fedveil.experiments.ppfl import runner
+
+    images = _images()
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "ppfl-kept.json").write_text("{}")
+    monkeypatch.setattr(ppfl_attacks, "train_ppfl", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(ppfl_attacks, "resolve_device", lambda spec: torch.device("cuda", 0))
+    message = rf"{tmp_path} holds parts computed on cpu, and this run is on cuda:0: resume it with device cpu"
+    with pytest.raises(ConfigError, match=message):
+        ppfl_attack_table(images=images, out=tmp_path, **TINY)
+    assert not (tmp_path / runner.DEVICE_RECORD).exists()
+    (tmp_path / runner.DEVICE_RECORD).write_text(json.dumps({"device": "cuda:1"}))
+    with pytest.raises(ConfigError, match="computed on cuda:1, and this run is on cuda:0"):
+        ppfl_attack_table(images=images, out=tmp_path, **TINY)
+    fresh = tmp_path / "fresh"
+    runner.claim_device(fresh, torch.device("cuda", 0), artefacts=ppfl_attacks.PARTS)
+    assert json.loads((fresh / runner.DEVICE_RECORD).read_text()) == {"device": "cuda:0"}
+    runner.claim_device(fresh, torch.device("cuda", 0), artefacts=ppfl_attacks.PARTS)

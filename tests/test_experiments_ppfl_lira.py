@@ -4,10 +4,12 @@ system's shadows are trained the way its target was, on halves of the candidates
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fedveil.cli import main
 from fedveil.errors import ConfigError
@@ -102,3 +104,87 @@ def test_bad_settings_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         ppfl_lira_table(images=_images(), shadows=3)
     assert main(["ppfl", "lira", "--clients", "0"]) == 2
     assert "--clients 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_device_cpu_and_the_default_give_the_same_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--device`` reaches the table (default ``auto``, the CPU here), which records the resolved device;
+    ``cpu`` and ``auto`` give the same bits."""
+    from fedveil.experiments.attacks import runs as attack_runs
+
+    seen: list[str] = []
+    table = ppfl_lira.ppfl_lira_table
+
+    def tiny_table(*, images: FedAvgRun, **kw: object) -> dict[str, object]:
+        seen.append(images.device)
+        return table(images=images, **{**kw, "aux_examples": 40, "head_epochs": 1})
+
+    monkeypatch.setattr(attack_runs, "membership_run", lambda **kw: _images())
+    monkeypatch.setattr(ppfl_lira, "ppfl_lira_table", tiny_table)
+    argv = ["ppfl", "lira", "--systems", "ppfl-kept", "--shadows", "4", "--json"]
+    assert main(argv) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 0
+    cpu = json.loads(capsys.readouterr().out)
+    assert seen == ["auto", "cpu"] and default == cpu and cpu["run"]["device"] == "cpu"
+    assert json.loads((tmp_path / "device.json").read_text()) == {"device": "cpu"}
+
+
+def test_every_target_shadow_and_view_trains_and_is_scored_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """E2E's and PPFL's trainings get the run's device, the ``ppfl-kept`` observer's head trains there,
+    and every model LiRA scores (targets, shadows, views) is there. (A CUDA device is compared with the
+    CPU in tests/test_gpu_ppfl_attacks.py.)"""
+    from fedveil.attacks import lira as lira_attack
+    from fedveil.attacks.scores import model_logits
+    from fedveil.models.device import module_device
+
+    trained: list[tuple[str, str]] = []
+    scored: list[str] = []
+    heads: list[str] = []
+    real_fedavg, real_ppfl, real_head = ppfl_lira.train_fedavg, ppfl_lira.train_ppfl, ppfl_lira._attacker_head
+
+    def fedavg(run: FedAvgRun, **kw: object) -> object:
+        trained.append(("e2e", run.device))
+        return real_fedavg(run, **kw)
+
+    def ppfl(run, split) -> object:
+        trained.append(("ppfl", run.device))
+        return real_ppfl(run, split)
+
+    def head(*a: object, device: object, **kw: object) -> object:
+        heads.append(str(device))
+        return real_head(*a, device=device, **kw)
+
+    def logits(model: object, x: object, **kw: object) -> object:
+        scored.append(str(module_device(model)))
+        return model_logits(model, x, **kw)
+
+    monkeypatch.setattr(ppfl_lira, "train_fedavg", fedavg)
+    monkeypatch.setattr(ppfl_lira, "train_ppfl", ppfl)
+    monkeypatch.setattr(ppfl_lira, "_attacker_head", head)
+    monkeypatch.setattr(lira_attack, "model_logits", logits)
+    images = replace(_images(), device="cpu")
+    summary = ppfl_lira_table(
+        images=images, systems=("e2e", "ppfl-kept"), shadows=4, aux_examples=40, head_epochs=1
+    )
+    assert summary["run"]["device"] == "cpu"
+    assert trained == [("e2e", "cpu")] * 5 + [("ppfl", "cpu")] * 5
+    assert heads == ["cpu"] * 5 and scored == ["cpu"] * 10
+
+
+def test_a_folder_of_shadows_from_another_device_is_refused_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cached shadows are never mixed across devices: a folder holding some (written before folders
+    recorded their device: the CPU's) is refused to a run on another device, before anything trains."""
+    shadows = tmp_path / "shadows" / "e2e"
+    shadows.mkdir(parents=True)
+    (shadows / "shadow0.npz").write_bytes(b"")
+    monkeypatch.setattr(ppfl_lira, "train_fedavg", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(ppfl_lira, "resolve_device", lambda spec: torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match="holds parts computed on cpu, and this run is on cuda:0"):
+        ppfl_lira_table(images=_images(), systems=("e2e",), shadows=4, out=tmp_path)
+    assert not (tmp_path / "device.json").exists()
