@@ -115,6 +115,7 @@ __all__ = [
     "TrainedPpfl",
     "claim_device",
     "load_ppfl_run",
+    "part_device",
     "run_ppfl",
     "train_central",
     "train_e2e",
@@ -247,6 +248,16 @@ def _unused_settings(run: PpflRun) -> list[tuple[str, bool, str]]:
 
 def _write_json(path: Path, value: Any) -> None:
     atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+def part_device(spec: str) -> torch.device:
+    """Where a run of parts (:func:`claim_device`) computes: :func:`~fedveil.models.device.resolve_device`
+    of ``spec``, with a CUDA device's index made explicit (``cuda`` and ``auto`` on a GPU machine are the
+    current GPU, e.g. ``cuda:0``), as its report and its folder's record name it."""
+    device = resolve_device(spec)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def claim_device(out: Path, device: torch.device, *, artefacts: Sequence[str]) -> None:
