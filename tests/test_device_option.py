@@ -623,3 +623,16 @@ def test_reproduce_sends_device_to_every_cell_and_refuses_a_missing_gpu_before_a
         assert main(["reproduce", "table1", "--device", spec, "--out", str(tmp_path / spec)]) == 2
         assert says in capsys.readouterr().err and not (tmp_path / spec).exists()
     assert len(asked) == 1
+
+
+def test_feduv_bench_trains_its_users_on_the_device_asked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedveil feduv bench --device D``: the users' pool resolves D and trains there (default cpu)."""
+    there = _spy_device(monkeypatch, "fedveil.protocols.feduv")
+    settings = ["--clients", "2", "--width-divisor", "32", "--repeats", "1", "--threads", "1", "--json"]
+    assert main(["feduv", "bench", *settings, "--device", ASKED]) == 0
+    assert json.loads(capsys.readouterr().out)["device"] == str(SENTINEL)
+    assert any(caller for _, caller in there), "the users' network and data moved to the device asked"
+    assert main(["feduv", "bench", *settings]) == 0
+    assert json.loads(capsys.readouterr().out)["device"] == "cpu"

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fedveil.commands import add_device_argument
 from fedveil.experiments.agent_options import add_feduv_agent_arguments
 from fedveil.experiments.checkpoint import add_run_arguments, check_run_dir, run_sets
 from fedveil.experiments.config import run_overrides
@@ -64,6 +65,7 @@ def register(subparsers: Any) -> None:
     b.add_argument("--repeats", type=int, default=2, help="timed calls (default: 2)")
     b.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     b.add_argument("--one-by-one", action="store_true", help="one user at a time instead of vmap")
+    add_device_argument(b, where="where the users train", default="cpu")
     b.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -95,13 +97,15 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             batched=not args.one_by_one,
             threads=args.threads,
+            device=args.device,
         )
         if args.json:
             print(json.dumps(doc, indent=2))
         else:
             print(
                 f"{doc['client_updates_per_second']:.3f} client updates/s ({doc['clients']} clients x "
-                f"{doc['repeats']}, {doc['num_params']:,} parameters, {doc['threads']} threads)"
+                f"{doc['repeats']}, {doc['num_params']:,} parameters, {doc['threads']} threads, on "
+                f"{doc['device']})"
             )
         return 0
     base = fr.load_feduv_config(args.config, fr.SCALES[args.scale], run_overrides(run_sets(args)))

@@ -871,12 +871,15 @@ def bench_client_updates(
     threads: int = 2,
     seed: int = 0,
     code_cache_dir: str | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """FedAvg client updates per second of FedUV on the MNIST-UV net (Alg. 1 UserUpdate, one epoch).
 
     ``clients`` users with ``examples`` training examples each run one local epoch (batches of
     ``batch_size``) from the same global model, ``repeats`` times after one untimed warm-up call,
-    through the user pool directly (no codec or runtime). Returns the settings, seconds and updates/s.
+    through the user pool directly (no codec or runtime), the users training on ``device``
+    (:func:`~fedveil.models.device.resolve_device`; each call ends with the updates in host memory, so
+    the timer sees the device's work finished). Returns the settings, the device, seconds and updates/s.
     """
     torch.set_num_threads(threads)
     data = generate_mnist_uv(
@@ -891,7 +894,9 @@ def bench_client_updates(
         code_length=code_length,
         code_cache_dir=code_cache_dir,
     )
-    pool = UvClients(FedUVMethod(), model, data, seed=seed, batched=batched, code_cache_dir=code_cache_dir)
+    pool = UvClients(
+        FedUVMethod(), model, data, seed=seed, batched=batched, code_cache_dir=code_cache_dir, device=device
+    )
     runtime = SimulationRuntime(pool, rng=np.random.default_rng(seed))
     asyncio.run(server.setup(runtime))
     request = UvTrainRequest(1, 0.1, 1, batch_size, server.weights)
@@ -911,6 +916,7 @@ def bench_client_updates(
         "repeats": repeats,
         "batched": batched,
         "threads": threads,
+        "device": str(pool.device),
         "seconds": seconds,
         "client_updates_per_second": clients * repeats / seconds,
     }
