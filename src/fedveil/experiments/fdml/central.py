@@ -20,6 +20,7 @@ import torch
 from fedveil.data.touchauth import TouchAuthPopulation
 from fedveil.errors import ConfigError
 from fedveil.eval.verification import authentication_accuracy
+from fedveil.models.device import module_device
 from fedveil.models.touchauth import TouchAuthNet
 
 __all__ = [
@@ -45,7 +46,8 @@ def batch_all_triplet_loss(
     gram = embeddings @ embeddings.T
     distances = torch.sqrt((squared[:, None] + squared[None, :] - 2.0 * gram).clamp_min(1e-12))
     same = labels[:, None] == labels[None, :]
-    anchors, positives = torch.nonzero(same & ~torch.eye(labels.shape[0], dtype=torch.bool), as_tuple=True)
+    eye = torch.eye(labels.shape[0], dtype=torch.bool, device=labels.device)
+    anchors, positives = torch.nonzero(same & ~eye, as_tuple=True)
     terms = distances[anchors, positives][:, None] - distances[anchors] + margin
     terms = torch.relu(terms) * (~same[anchors]).to(terms.dtype)
     active = int((terms > 0).sum())
@@ -127,9 +129,11 @@ def train_triplet_steps(
     """Train ``net`` in place on ``population``'s training users: ``steps`` Adam steps at ``lr`` on
     :func:`batch_all_triplet_loss` with ``margin``, each on a batch drawn by ``rng`` like an FDML round
     (a phone model uniformly, ``batch_users`` of its users, all when it has fewer, ``samples_per_user``
-    random-start samples each). Returns the loss and the active share of valid triplets of every step."""
+    random-start samples each). The step runs where ``net``'s parameters are: each drawn batch moves there
+    as it is drawn. Returns the loss and the active share of valid triplets of every step."""
     by_model = {m: population.train_user_ids(m) for m in population.phone_models}
-    labels = torch.arange(batch_users).repeat_interleave(samples_per_user)
+    device = module_device(net)
+    labels = torch.arange(batch_users).repeat_interleave(samples_per_user).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=lr)
     net.train()
     losses, active_fractions = [], []
@@ -138,7 +142,8 @@ def train_triplet_steps(
         chosen = rng.choice(len(users), size=min(batch_users, len(users)), replace=False)
         batch = np.concatenate([population.sample_training(users[i], samples_per_user, rng) for i in chosen])
         batch_labels = labels[: batch.shape[0]]
-        loss, active = batch_all_triplet_loss(net(torch.from_numpy(batch)[:, None]), batch_labels, margin)
+        x = torch.from_numpy(batch)[:, None].to(device)
+        loss, active = batch_all_triplet_loss(net(x), batch_labels, margin)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
