@@ -20,6 +20,7 @@ converge stalls at an objective orders of magnitude above a converged one, which
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from fedveil.attacks.inversion import (
     GradientTarget,
@@ -30,6 +31,9 @@ from fedveil.attacks.inversion import (
 )
 from fedveil.attacks.views import ObserverView
 from fedveil.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DLG_ITERATIONS", "DLG_LR", "DLG_RESTART_TOLERANCE", "dlg_attack", "l2_stop_below"]
 
@@ -63,7 +67,7 @@ def dlg_attack(
     restart_tolerance: float = DLG_RESTART_TOLERANCE,
     snapshot_every: int | None = None,
     optimize_hidden: bool = False,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
 ) -> InversionResult:
     """Run DLG (Zhu et al. 2019, Alg. 1) on ``view`` for a batch of ``image_shape`` ``(C, H, W)`` images.
 

@@ -114,7 +114,7 @@ def idlg_attack(
     restart_tolerance: float = DLG_RESTART_TOLERANCE,
     snapshot_every: int | None = None,
     optimize_hidden: bool = False,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
 ) -> InversionResult:
     """Run iDLG (Zhao et al. 2020) on ``view``: infer the labels, then DLG with them fixed (hard one-hot).
 

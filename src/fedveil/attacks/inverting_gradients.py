@@ -60,7 +60,7 @@ def inverting_gradients_attack(
     labels: torch.Tensor | None = None,
     snapshot_every: int | None = None,
     optimize_hidden: bool = False,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
 ) -> InversionResult:
     """Run Inverting Gradients (Geiping et al. 2020, Eq. 4; module docstring) on ``view``.
 

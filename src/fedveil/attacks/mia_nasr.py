@@ -193,7 +193,7 @@ def nasr_attack(
     lr: float = 0.01,
     weight_decay: float = 1e-3,
     batch_size: int = 256,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
 ) -> AttackScores:
     """Nasr et al. 2019's supervised white-box MIA against what the observer saw; the held-out report.
 

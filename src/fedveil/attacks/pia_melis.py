@@ -144,7 +144,7 @@ def melis_attack(
     steps: int = 300,
     lr: float = 0.01,
     weight_decay: float = 1e-2,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
 ) -> AttackScores:
     """Melis et al. 2019's batch-property attack on the observed updates; the report against the truth.
 
@@ -159,14 +159,15 @@ def melis_attack(
     The logistic-regression classifier (``steps``, ``lr``, ``weight_decay`` as in
     :func:`fit_binary_classifier`) is seeded from ``rng``; the report's threshold is its own (logit 0).
     The updates are simulated on ``device`` (:func:`~fedveil.models.device.resolve_device`), with a copy of
-    each snapshot moved there (the views are not changed).
+    each snapshot moved there (the views are not changed) and the auxiliary data moved there once; the
+    features come back to host memory, where the classifier trains.
     """
     where = resolve_device(device)
     observed = [require_update_view(view, _ATTACK) for view in views]
     if not observed:
         raise ValidationError(f"{_ATTACK}: no observer view given")
     truth = as_binary_labels(has_property, len(observed), name="has_property")
-    ax, ay = as_examples(aux_x, aux_y)
+    ax, ay = (t.to(where) for t in as_examples(aux_x, aux_y))
     aux_prop = as_binary_labels(aux_property, ax.shape[0], name="aux_property")
     count = batches_per_snapshot
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
@@ -219,10 +220,11 @@ def melis_attack(
                 _batches(rng, with_prop, without, count, size, 0),
             ]
         )
+        picked = torch.from_numpy(index).to(where)
         updates = simulate_updates(
             copy.deepcopy(model).to(where),
-            ax[torch.from_numpy(index)],
-            ay[torch.from_numpy(index)],
+            ax[picked],
+            ay[picked],
             names=names,
             kind=kind,
             lr=step_lr,

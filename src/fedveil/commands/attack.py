@@ -1,34 +1,41 @@
-"""``fedveil attack dlg|idlg|ig|mia|lira|pia ...``: run an attack of the suite and report its metrics.
+"""``fedveil attack ATTACK ...``: run an attack of the suite and report its metrics.
+
+Every attack that trains, attacks or scores a torch model takes ``--device D`` (``auto``, the default:
+CUDA when torch sees a GPU, else the CPU; ``cpu``; ``cuda``; ``cuda:N``); its JSON report records the
+device it ran on. ``fdml-derivatives`` has none: it plays FDML's enclave code, which is numpy on the host.
 
 - ``fedveil attack dlg|idlg|ig [--model lenet-sigmoid] [--data fashion-mnist] [--batch 1] [--targets 10]
-  [--iterations N] [--view gradient|fedavg] [--seed 0] [--out DIR] [--json]``: gradient inversion of
-  client batches (:func:`fedveil.experiments.attacks.runs.run_inversion`); prints ``mse``, ``psnr``,
-  ``ssim`` (medians over targets), ``label_accuracy``; writes a PNG grid and the JSON under ``--out``.
+  [--iterations N] [--view gradient|fedavg] [--device D] [--seed 0] [--out DIR] [--json]``: gradient
+  inversion of client batches (:func:`fedveil.experiments.attacks.runs.run_inversion`); prints ``mse``,
+  ``psnr``, ``ssim`` (medians over targets), ``label_accuracy``; writes a PNG grid and the JSON under
+  ``--out``.
 - ``fedveil attack mia|lira [--model lenet] [--clients 10] [--samples-per-client 40] [--rounds 40]
-  [--local-epochs 5] [--shadows 8] [--seed 0] [--out DIR] [--json]``: membership inference against an
-  undefended FedAvg model and its control (``mia``: Yeom and the Nasr-style white-box attack; ``lira``:
-  LiRA) (:func:`~fedveil.experiments.attacks.runs.run_membership`).
-- ``fedveil attack pia [--model lenet] [--clients 20] [--samples-per-client 16] [--rounds 6] ...``:
-  Melis et al.'s property inference on per-client updates, and its control.
+  [--local-epochs 5] [--shadows 8] [--device D] [--seed 0] [--out DIR] [--json]``: membership inference
+  against an undefended FedAvg model and its control (``mia``: Yeom and the Nasr-style white-box attack;
+  ``lira``: LiRA) (:func:`~fedveil.experiments.attacks.runs.run_membership`).
+- ``fedveil attack pia [--model lenet] [--clients 20] [--samples-per-client 16] [--rounds 6] [--device D]
+  ...``: Melis et al.'s property inference on per-client updates, and its control
+  (:func:`~fedveil.experiments.attacks.runs.run_property`).
 - ``fedveil attack feduv-codeword [--methods feduv,softmax,fedaws] [--writers 10] [--rounds 20]
-  [--fraction 0.3] [--code-length 127] [--seed 0] [--out DIR] [--json]``: the server reads each user's
-  FedUV codeword (softmax, FedAwS: class) off its updates, beside controls
+  [--fraction 0.3] [--code-length 127] [--device D] [--seed 0] [--out DIR] [--json]``: the server reads
+  each user's FedUV codeword (softmax, FedAwS: class) off its updates, beside controls
   (:func:`~fedveil.experiments.attacks.feduv_codeword.feduv_codeword_table`).
 - ``fedveil attack fdml-derivatives [--trials 2000] [--participants 4] [--samples 4] [--dim 8]
   [--epsilons 0.5,2,8] [--drop-rate 0] [--seed 0] [--out DIR] [--json]``: a participant infers from its
   step-6 derivatives whether a target embedding was in the round, without DP and with FDML Alg. 2 in
   both clipping modes, beside the epsilon that bounds it
   (:func:`~fedveil.experiments.attacks.fdml_views.fdml_derivative_table`).
-- ``fedveil attack fdml-membership [--users 64] [--rounds 120] [--num-required 64] [--seed 0] [--out DIR]
-  [--json]``: user-level membership inference against the FDML embedding network every selected device
-  receives, beside the control (:func:`~fedveil.experiments.attacks.fdml_views.fdml_membership_table`).
+- ``fedveil attack fdml-membership [--users 64] [--rounds 120] [--num-required 64] [--device D] [--seed 0]
+  [--out DIR] [--json]``: user-level membership inference against the FDML embedding network every
+  selected device receives, beside the control
+  (:func:`~fedveil.experiments.attacks.fdml_views.fdml_membership_table`).
 - ``fedveil attack fdml-lira [--users 200] [--shadows 16] [--rounds 100] [--devices 16] [--threads 1]
-  [--seed 0] [--out DIR] [--json]``: user-level LiRA (Carlini et al. 2022) against the FDML embedding
-  network, online and offline, beside a control trained on other users
+  [--device D] [--seed 0] [--out DIR] [--json]``: user-level LiRA (Carlini et al. 2022) against the FDML
+  embedding network, online and offline, beside a control trained on other users
   (:func:`~fedveil.experiments.attacks.fdml_lira.fdml_lira_table`).
-- ``fedveil attack fdml-inversion [--cohorts 1,2,4] [--windows 2] [--iterations 400] [--seed 0] [--out DIR]
-  [--json]``: gradient inversion of the touch windows of a round from the difference of two consecutive
-  global models (SGD and Adam steps), beside controls
+- ``fedveil attack fdml-inversion [--cohorts 1,2,4] [--windows 2] [--iterations 400] [--device D]
+  [--seed 0] [--out DIR] [--json]``: gradient inversion of the touch windows of a round from the
+  difference of two consecutive global models (SGD and Adam steps), beside controls
   (:func:`~fedveil.experiments.attacks.fdml_inversion.fdml_inversion_table`).
 """
 
@@ -38,6 +45,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from fedveil.commands import add_device_argument
 
 
 def register(subparsers: Any) -> None:
@@ -69,7 +78,7 @@ def register(subparsers: Any) -> None:
                 help="AIoT's private projector: the last layer stays on the device; the attacker starts "
                 "it at random (projector) or at the true values (projector-upper-bound)",
             )
-        _common(p)
+        _common(p, where="where the client model, its batch and the matching run")
     for name, text in (
         ("mia", "membership inference: Yeom loss threshold and Nasr-style white-box classifier"),
         ("lira", "membership inference: LiRA (Carlini et al. 2022), offline and online"),
@@ -87,7 +96,7 @@ def register(subparsers: Any) -> None:
             p.add_argument("--local-epochs", type=int, default=5, help="local epochs per round (default 5)")
             p.add_argument("--shadows", type=int, default=8, help="LiRA shadow models (default 8)")
             p.add_argument("--shadow-epochs", type=int, default=None, help="LiRA shadow epochs (<= 100)")
-        _common(p)
+        _common(p, where="where FedAvg, the shadow models and the attacks train and score")
     p = attacks.add_parser(
         "feduv-codeword",
         help="FedUV: the server reads each user's secret codeword off its updates",
@@ -99,7 +108,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rounds", type=int, default=20, help="training rounds (default 20)")
     p.add_argument("--fraction", type=float, default=0.3, help="users per round, a fraction (default 0.3)")
     p.add_argument("--code-length", type=int, default=127, help="FedUV BCH code length (default 127)")
-    _common(p)
+    _common(p, where="where the users train")
     p = attacks.add_parser(
         "fdml-derivatives",
         help="FDML: membership of a target embedding from a participant's step-6 derivatives",
@@ -113,7 +122,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dim", type=int, default=8, help="embedding dimension (default 8)")
     p.add_argument("--epsilons", default="0.5,2,8", help="per-round epsilons of Alg. 2 (default 0.5,2,8)")
     p.add_argument("--drop-rate", type=float, default=0.0, help="Alg. 2 embedding drop rate r (default 0)")
-    _common(p)
+    _common(p, where=None)
     p = attacks.add_parser(
         "fdml-membership",
         help="FDML: user-level membership inference against the global embedding network",
@@ -123,7 +132,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--users", type=int, default=64, help="training users, and as many unseen (default 64)")
     p.add_argument("--rounds", type=int, default=120, help="FDML rounds (default 120)")
     p.add_argument("--num-required", type=int, default=64, help="devices per round (default 64)")
-    _common(p)
+    _common(p, where="where FDML trains and the attacks embed")
     p = attacks.add_parser(
         "fdml-lira",
         help="FDML: user-level LiRA against the global embedding network",
@@ -138,7 +147,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rounds", type=int, default=100, help="FDML rounds, and shadow steps (default 100)")
     p.add_argument("--devices", type=int, default=16, help="devices per round (default 16)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    _common(p)
+    _common(p, where="where FDML and the shadow networks train and the attacks embed")
     p = attacks.add_parser(
         "fdml-inversion",
         help="FDML: gradient inversion of a round's touch windows from a global-model difference",
@@ -148,11 +157,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--cohorts", default="1,2,4", help="devices per round, one attack each (default 1,2,4)")
     p.add_argument("--windows", type=int, default=2, help="touch windows per device (default 2)")
     p.add_argument("--iterations", type=int, default=400, help="attack iterations (default 400)")
-    _common(p)
+    _common(p, where="where the attack's matching runs")
     parser.set_defaults(func=run)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, *, where: str | None) -> None:
+    """The options every attack shares: ``--seed``, ``--out``, ``--json``, and ``--device`` (``where``
+    says what runs there) unless ``where`` is ``None`` (an attack with nothing to put on a device)."""
+    if where is not None:
+        add_device_argument(p, where=where)
     p.add_argument("--seed", type=int, default=0, help="seed of everything random (default 0)")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON report and PNGs")
     p.add_argument("--json", action="store_true", help="print the JSON report")
@@ -184,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             out=args.out,
             defence=getattr(args, "defence", "none"),
+            device=args.device,
         )
         if args.json:
             print(json.dumps(summary, indent=2, default=float))
@@ -204,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
             rounds=args.rounds or 6,
             seed=args.seed,
             out=args.out,
+            device=args.device,
         )
     else:
         summary = attack_runs.run_membership(
@@ -216,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
                 rounds=args.rounds or 40,
                 local_epochs=args.local_epochs,
                 seed=args.seed,
+                device=args.device,
             ),
             shadows=args.shadows,
             shadow_epochs=args.shadow_epochs,
@@ -250,6 +266,7 @@ def _feduv_codeword(args: argparse.Namespace) -> int:
         code_length=args.code_length,
         seed=args.seed,
         out=args.out,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
@@ -314,7 +331,12 @@ def _fdml_membership(args: argparse.Namespace) -> int:
     from fedveil.experiments.attacks.fdml_views import fdml_membership_table
 
     summary = fdml_membership_table(
-        users=args.users, rounds=args.rounds, num_required=args.num_required, seed=args.seed, out=args.out
+        users=args.users,
+        rounds=args.rounds,
+        num_required=args.num_required,
+        seed=args.seed,
+        out=args.out,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
@@ -347,6 +369,7 @@ def _fdml_lira(args: argparse.Namespace) -> int:
         num_threads=args.threads,
         out=args.out,
         progress=not args.json,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
@@ -368,6 +391,7 @@ def _fdml_inversion(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         seed=args.seed,
         out=args.out,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(summary, indent=2, default=float))

@@ -59,6 +59,7 @@ from fedveil.enclave.aggregate import aggregate_gradients
 from fedveil.enclave.triplet import loss_and_derivatives
 from fedveil.errors import ConfigError, ValidationError
 from fedveil.experiments.fdml.triplet_reference import reference_loss
+from fedveil.models.device import resolve_device
 from fedveil.models.touchauth import EVENT_DIM, EVENTS_PER_SAMPLE, TouchAuthNet
 
 __all__ = [
@@ -148,6 +149,7 @@ def invert_model_difference(
     restarts: int = 1,
     prior: torch.Tensor | None = None,
     jitter: float = 0.05,
+    device: str | torch.device = "cpu",
 ) -> InversionResult:
     """Reconstruct the round's windows from a model-difference ``view`` (module docstring).
 
@@ -155,7 +157,10 @@ def invert_model_difference(
     the dummy windows for ``iterations`` steps, the windows clamped to ``[0, 1]`` after each; ``restarts``
     fresh uniform draws from a generator seeded with ``seed`` (with a ``prior`` guess ``(30, 10)`` of a
     window: that guess plus uniform noise of half-width ``jitter``, which separates the dummies), the
-    iterate of least objective kept. The matching runs in float64 on a copy of the view's model. A sealed
+    iterate of least objective kept. The matching runs in float64 on ``device``
+    (:func:`~fedveil.models.device.resolve_device`) with copies of the view's parameters and observed
+    difference moved there (the dummies are drawn on the host, as on the CPU, then moved; the labels'
+    triplets are enumerated on the host); the reconstruction comes back to host memory. A sealed
     view raises :class:`~fedveil.attacks.views.NoPlaintextView`; a zero difference (no active triplet:
     nothing to match) raises :class:`ValidationError`."""
     uv = require_update_view(view, ATTACK)
@@ -163,16 +168,18 @@ def invert_model_difference(
         raise ConfigError(f"iterations must be a positive integer, got {iterations!r}")
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 1:
         raise ConfigError(f"restarts must be a positive integer, got {restarts!r}")
+    where = resolve_device(device)
     observed_all = uv.as_gradient()
     names = [n for n, _ in uv.model.named_parameters() if n in observed_all]
-    observed = [observed_all[n].double() for n in names]
+    observed = [observed_all[n].double().to(where) for n in names]
     if all(not bool(o.any()) for o in observed):
         raise ValidationError(
             f"{ATTACK}: the difference seen by {uv.observer!r} is zero everywhere (no active triplet in the "
             "round): there is nothing to invert"
         )
     params = {
-        n: p.detach().double().requires_grad_(n in observed_all) for n, p in uv.model.named_parameters()
+        n: p.detach().double().to(where).requires_grad_(n in observed_all)
+        for n, p in uv.model.named_parameters()
     }
     wrt = [params[n] for n in names]
     y = torch.as_tensor(np.asarray(labels))
@@ -184,7 +191,7 @@ def invert_model_difference(
         x = torch.rand((y.shape[0], *SAMPLE_SHAPE), generator=gen, dtype=torch.float64)
         if prior is not None:
             x = (prior.double().expand_as(x) + jitter * (2 * x - 1)).clamp(0.0, 1.0)
-        x.requires_grad_(True)
+        x = x.to(where).requires_grad_(True)
         drawn = x.detach().clone()
         opt = torch.optim.Adam([x], lr=lr)
         losses: list[float] = []
@@ -211,9 +218,9 @@ def invert_model_difference(
         raise ValidationError(f"{ATTACK}: no dummy draw had an active triplet; nothing to report")
     return InversionResult(
         attack=ATTACK,
-        images=best_x.float(),
+        images=best_x.float().cpu(),
         labels=y.to(torch.int64),
-        history=[(0, best_start.float()), (iterations, best_x.float())],
+        history=[(0, best_start.float().cpu()), (iterations, best_x.float().cpu())],
         losses=best_losses,
         final_loss=best_loss,
         seconds=time.perf_counter() - start,
@@ -267,6 +274,7 @@ def fdml_inversion_table(
     margin: float = 1.0,
     seed: int = 0,
     out: Path | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """The model-difference inversion table (module docstring): for each cohort size ``K`` of ``cohorts``,
     a round of ``K`` SYNTHETIC TouchAuth users with ``windows`` windows each on the initial network
@@ -274,11 +282,15 @@ def fdml_inversion_table(
     ``iterations`` Adam steps at ``attack_lr`` from the prior (the mean window of ``prior_users`` further
     users, 8 windows each: what an attacker guesses without the difference). Beside each: the control
     (the same attack on a round of ``K`` other users, scored against the targets) and the prior's own
-    error. Returns (and writes to ``out/fdml_inversion.json``) one entry per cohort and optimizer."""
+    error. The rounds are played in host memory with the protocol's own parts (the enclave's are numpy);
+    every matching runs on ``device`` (:func:`invert_model_difference`; resolved before anything is
+    drawn). Returns (and writes to ``out/fdml_inversion.json``) one entry per cohort and optimizer, and
+    the device."""
     if not cohorts or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in cohorts):
         raise ConfigError(f"cohorts {cohorts!r} must be positive integers")
     if isinstance(windows, bool) or not isinstance(windows, int) or windows < 2:
         raise ConfigError(f"windows {windows!r}: a device needs >= 2 windows for a positive pair")
+    where = resolve_device(device)
     largest = max(cohorts)
     population = generate_touchauth(
         TouchAuthConfig(
@@ -307,7 +319,14 @@ def fdml_inversion_table(
                 entry["note"] = "the difference is zero: a round of one device has no triplet (no negative)"
             else:
                 result = invert_model_difference(
-                    view, labels, margin=margin, iterations=iterations, lr=attack_lr, seed=seed, prior=prior
+                    view,
+                    labels,
+                    margin=margin,
+                    iterations=iterations,
+                    lr=attack_lr,
+                    seed=seed,
+                    prior=prior,
+                    device=where,
                 )
                 control_view = fdml_round_difference(net, others, margin=margin, optimizer=optimizer, lr=lr)
                 control = invert_model_difference(
@@ -318,6 +337,7 @@ def fdml_inversion_table(
                     lr=attack_lr,
                     seed=seed,
                     prior=prior,
+                    device=where,
                 )
                 entry["attack"] = _score(result, originals)
                 entry["control/other-round"] = _score(control, originals)
@@ -336,6 +356,7 @@ def fdml_inversion_table(
             "attack_lr": attack_lr,
             "prior_users": prior_users,
             "seed": seed,
+            "device": str(where),
             "observer": "any device selected in two consecutive rounds, or the server: w_{t+1} - w_t",
         },
         "rounds": table,

@@ -23,6 +23,11 @@ First Principles", IEEE S&P 2022) at the level FDML protects, one participant = 
 
 Beside them, the user-spread score of ``fedveil attack fdml-membership`` on the same target and
 candidates. There is no epsilon to state: no DP covers this model.
+
+Everything that trains or embeds runs on one ``device`` (:func:`~fedveil.models.device.resolve_device`):
+FDML's devices (the run's ``device`` setting), the shadow networks (each round's windows moved there as
+they are drawn, as FDML's devices draw theirs) and every network the attacks embed the candidates with;
+the statistics and the report, which records the device, are in host memory.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from fedveil.experiments.attacks.fdml_views import MEMBERSHIP_FPR_TARGETS, SEC_V
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml.central import train_triplet_steps
 from fedveil.experiments.fdml.runner import evaluate_weights, input_shape
+from fedveil.models.device import resolve_device
 
 __all__ = ["LIRA_FPR_TARGETS", "fdml_lira_table"]
 
@@ -80,13 +86,15 @@ def fdml_lira_table(
     num_threads: int | None = 1,
     out: Path | None = None,
     progress: bool = False,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """The table of the module docstring: ``users`` candidates (an even number >= 4), ``shadows`` shadow
     networks, FDML ``rounds`` rounds of ``devices`` devices x ``samples_per_client`` windows at Adam
     ``lr``, ``candidate_samples`` windows per candidate; everything random from ``seed``. ``num_threads``
     limits torch's intra-op threads during the call (restored afterwards; ``None``: torch's setting): the
-    small batches run fastest on one thread, and far faster than on two on a loaded machine. Returns (and
-    writes to ``out/fdml_lira.json``) the attacks on the target and on the control."""
+    small batches run fastest on one thread, and far faster than on two on a loaded machine. ``device``
+    (resolved before anything trains) is where the networks train and embed (module docstring). Returns
+    (and writes to ``out/fdml_lira.json``) the attacks on the target and on the control."""
     if isinstance(users, bool) or not isinstance(users, int) or users < 4 or users % 2:
         raise ConfigError(f"users must be an even integer >= 4 (half of them are members), got {users!r}")
     if isinstance(candidate_samples, bool) or not isinstance(candidate_samples, int) or candidate_samples < 2:
@@ -95,12 +103,13 @@ def fdml_lira_table(
         isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
     ):
         raise ConfigError(f"num_threads must be a positive integer or None, got {num_threads!r}")
+    where = resolve_device(device)
     previous_threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
         summary = _table(
-            users, shadows, rounds, devices, samples_per_client, lr, candidate_samples, seed, progress
+            users, shadows, rounds, devices, samples_per_client, lr, candidate_samples, seed, progress, where
         )
     finally:
         torch.set_num_threads(previous_threads)
@@ -121,8 +130,9 @@ def _table(
     candidate_samples: int,
     seed: int,
     progress: bool,
+    device: torch.device,
 ) -> dict[str, Any]:
-    """:func:`fdml_lira_table`'s training and attacks, on torch's current threads."""
+    """:func:`fdml_lira_table`'s training and attacks, on torch's current threads and on ``device``."""
     data = TouchAuthConfig(
         seed=seed, train_users_per_model=(users + users // 2,), test_users_per_model=(SEC_VII_C_MIN_USERS,)
     )
@@ -135,6 +145,7 @@ def _table(
             f"fdml.samples_per_client={samples_per_client}",
             f"fdml.lr={lr}",
             f"rounds={rounds}",
+            f"device={device}",
             "enclave.boundary=none",  # the global model is the same across boundaries; no enclave needed
         ],
     )
@@ -158,7 +169,7 @@ def _table(
     samples = samples.reshape(*samples.shape[:2], *input_shape(cfg))
 
     def network(weights: np.ndarray) -> torch.nn.Module:
-        return copy.deepcopy(embed_flat.load_into_module(weights))
+        return copy.deepcopy(embed_flat.load_into_module(weights)).to(device)
 
     def train_shadow(inside: np.ndarray, shadow_seed: int) -> torch.nn.Module:
         net = network(initial)
@@ -208,6 +219,7 @@ def _table(
             "statistic": "prototype confidence: logit-scaled softmax over the candidates' centroids",
             "variants": "online (per-user IN and OUT Gaussians) and offline (OUT only)",
             "seed": seed,
+            "device": str(device),
             "accuracy_percent": accuracy,
             "min_resolvable_fpr": 1.0 / non_members,
             "fpr_note": (

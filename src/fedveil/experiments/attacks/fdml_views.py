@@ -61,6 +61,7 @@ from fedveil.enclave.dp import (
 from fedveil.errors import ConfigError
 from fedveil.experiments.config import ExperimentConfig, load_config
 from fedveil.experiments.fdml.runner import build_population, build_trainer, evaluate_weights, input_shape
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.protocols.fdml import DPRelease, LocalEnclave
 from fedveil.protocols.messages import EmbedReply
@@ -227,8 +228,9 @@ def train_fdml(
     cfg: ExperimentConfig, population: Any, *, progress: bool = False, desc: str = "FDML"
 ) -> tuple[FlatModel, np.ndarray, np.ndarray]:
     """Train FDML by ``cfg`` (``cfg.rounds`` rounds, in-process simulation) on ``population``'s training
-    users; ``(the embedding network, its initial weights, its trained weights)``. ``progress`` shows a bar
-    over the rounds."""
+    users, the devices' embedding network on ``cfg.device`` (the enclave's work in host memory, as in
+    every FDML run); ``(the embedding network, its initial weights, its trained weights)``, the network
+    left on ``cfg.device`` and the weights host arrays. ``progress`` shows a bar over the rounds."""
     trainer = build_trainer(cfg, population)
     initial = trainer.embedding_weights().copy()
 
@@ -254,15 +256,21 @@ def fdml_membership_table(
     candidate_samples: int = 40,
     seed: int = 0,
     out: Path | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """The uncovered-view table (module docstring): FDML trained ``rounds`` rounds (``num_required``
     devices a round, each with ``samples_per_client`` embeddings, so every user in every round while
     ``num_required >= users``; Adam at ``lr``: the Table I recipe's 3e-3) on ``users`` SYNTHETIC
     TouchAuth training users of one phone model, then attacked on ``candidate_samples`` samples of each
     training user (random-start windows, as in training) and of as many test users. Returns (and writes to
-    ``out/fdml_membership.json``) the attacks and the control."""
+    ``out/fdml_membership.json``) the attacks and the control.
+
+    FDML trains on ``device`` (:func:`~fedveil.models.device.resolve_device`, resolved first: the run's
+    ``device`` setting) and the attacked networks embed the candidates there; the spreads and the report,
+    which records the device, are in host memory."""
     if candidate_samples > 40:
         raise ConfigError(f"candidate_samples {candidate_samples} exceeds the 40 samples of a test user")
+    where = resolve_device(device)
     cfg = load_config(
         None,
         [
@@ -274,6 +282,7 @@ def fdml_membership_table(
             f"fdml.samples_per_client={samples_per_client}",
             f"fdml.lr={lr}",
             f"rounds={rounds}",
+            f"device={where}",
             "enclave.boundary=none",  # the global model is the same across boundaries; no enclave needed
         ],
     )
@@ -289,11 +298,11 @@ def fdml_membership_table(
     is_member = np.r_[np.ones(len(members), bool), np.zeros(len(tests), bool)]
     model_view = ModelView(
         "every selected device: the global embedding network",
-        copy.deepcopy(embed_flat.load_into_module(trained)),
+        copy.deepcopy(embed_flat.load_into_module(trained)).to(where),
     )
     initial_view = ModelView(
         "every device selected in round 1: the initial network",
-        copy.deepcopy(embed_flat.load_into_module(initial)),
+        copy.deepcopy(embed_flat.load_into_module(initial)).to(where),
     )
     rows = {
         "target/spread": metric_membership_attack(
@@ -320,6 +329,7 @@ def fdml_membership_table(
             "candidate_samples": candidate_samples,
             "lr": cfg.fdml.lr,
             "seed": seed,
+            "device": str(where),
             "accuracy_percent": accuracy,
             "observer": "every selected device: the global embedding network (no DP covers it)",
         },

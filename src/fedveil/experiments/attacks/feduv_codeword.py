@@ -40,6 +40,7 @@ from fedveil.core.communicator import ClientId, CommStats, Communicator, Fold, M
 from fedveil.data.mnist_uv import MnistUvConfig, generate_mnist_uv
 from fedveil.errors import ConfigError
 from fedveil.experiments.feduv.runner import mnist_uv_net
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.privacy.codes import BchCode
 from fedveil.protocols.feduv import (
@@ -127,16 +128,19 @@ def train_observed(
     code_length: int,
     width_divisor: int,
     seed: int,
+    device: str | torch.device = "cpu",
 ) -> tuple[UvClients, ServerTranscript, UvServer]:
     """Set up and train ``method`` for ``rounds`` rounds of Alg. 1 in the simulation, the server's
-    communicator recorded; returns the users (for scoring only), the transcript and the server."""
+    communicator recorded, the users training on ``device`` (:class:`~fedveil.protocols.feduv.UvClients`:
+    their examples moved there once; the server and its transcript in host memory); returns the users (for
+    scoring only), the transcript and the server."""
     if method not in METHODS:
         raise ConfigError(f"method {method!r}: choose from {', '.join(METHODS)}")
     torch.manual_seed(seed)
     outputs = code_length if method == "feduv" else writers
     model = UvModel(mnist_uv_net(outputs, bias=method != "fedaws", width_divisor=width_divisor))
     uv_method = {"feduv": FedUVMethod, "softmax": SoftmaxMethod, "fedaws": FedAwSMethod}[method]()
-    pool = UvClients(uv_method, model, data, seed=seed)
+    pool = UvClients(uv_method, model, data, seed=seed, device=device)
     server = _server(method, train, model, seed, code_length)
     comm = ServerTranscript(SimulationRuntime(pool, rng=np.random.default_rng([seed, 2])))
 
@@ -242,10 +246,14 @@ def feduv_codeword_table(
     width_divisor: int = 8,
     seed: int = 0,
     out: Path | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Train each of ``methods`` on SYNTHETIC MNIST-UV (``writers`` users, 50 training examples each) for
     ``rounds`` rounds with ``fraction`` of the users per round, and attack the server's view (module
-    docstring). Returns (and writes to ``out/feduv_codeword.json``) one entry per method."""
+    docstring). The users train on ``device`` (:func:`~fedveil.models.device.resolve_device`, resolved
+    before anything is generated); the attack reads the uploads the server holds, in host memory. Returns
+    (and writes to ``out/feduv_codeword.json``) one entry per method, and the device."""
+    where = resolve_device(device)
     data = generate_mnist_uv(
         MnistUvConfig(seed=seed, writers=writers, train=50, val=15, test=15, unseen_writers=writers)
     )
@@ -262,6 +270,7 @@ def feduv_codeword_table(
             code_length=code_length,
             width_divisor=width_divisor,
             seed=seed,
+            device=where,
         )
         if isinstance(server, FedUVServer):
             table[method] = _codeword_rows(pool, comm, server.model, server.code, rng)
@@ -276,6 +285,7 @@ def feduv_codeword_table(
             "code_length": code_length,
             "width_divisor": width_divisor,
             "seed": seed,
+            "device": str(where),
             "observer": "server: each selected user's FedAvg upload and the model it was sent",
         },
         "attacks": table,

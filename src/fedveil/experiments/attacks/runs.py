@@ -18,6 +18,13 @@
   where half the clients' photos carry a property unrelated to the task (a small bright watermark in one
   corner, stamped on real images: a synthetic subgroup marker, labelled as such); the control run stamps
   nothing and labels clients at random.
+
+Each takes a ``device`` (:func:`~fedveil.models.device.resolve_device`: ``auto``, ``cpu``, ``cuda``,
+``cuda:N``), resolved once before anything loads or trains; what trains, attacks or scores a torch model
+runs there (the client models, FedAvg's clients, LiRA's shadow models, the attacks' matching and
+features), each client's data moved there once; what the reports and plots hold comes back to host
+memory, and each JSON report records the device (``"cpu"``, ``"cuda"``, ``"cuda:N"``). On the CPU they
+compute exactly what they computed before the setting existed.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from fedveil.data.federated import FederatedDataset, UserData
 from fedveil.data.images import load_image_dataset
 from fedveil.errors import ConfigError
 from fedveil.experiments.fedavg_images import FedAvgRun, train_fedavg
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ImageFedAvgConfig, ModelClients, ModelServer, ParameterPlan
@@ -83,9 +91,12 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     atomic_write(path, (json.dumps(obj, indent=2, default=float) + "\n").encode())
 
 
-def _fedavg_one_step_view(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> Any:
-    """One FedAvg round (one client, one local SGD step on its whole batch) through the engine and the
-    codec; the view the server's wire observer builds of the upload."""
+def _fedavg_one_step_view(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float, device: torch.device
+) -> Any:
+    """One FedAvg round (one client, one local SGD step on its whole batch ``x``, ``y`` in host memory)
+    through the engine and the codec, the client training on ``device`` (its batch moved there once);
+    the view the server's wire observer builds of the upload (its model on ``device``)."""
     flat = FlatModel(model)
     data = FederatedDataset([UserData("target", {}, {"x": x.numpy(), "y": y.numpy()})])
     plan = ParameterPlan(flat)
@@ -94,7 +105,9 @@ def _fedavg_one_step_view(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr
     cfg = ImageFedAvgConfig(
         clients_per_round=1, local_epochs=1, batch_size=len(x), optimizer=LocalOptimizer(lr=lr)
     )
-    pool = ModelClients(flat, data, optimizer=cfg.optimizer, seed=0, plan=plan, initial=initial)
+    pool = ModelClients(
+        flat, data, optimizer=cfg.optimizer, seed=0, plan=plan, initial=initial, device=device
+    )
     runtime = SimulationRuntime(pool, rng=np.random.default_rng(0), tap=observer.tap)
     server = ModelServer(cfg, flat, np.random.default_rng(0), plan=plan, initial=initial)
     server.setup(runtime)
@@ -141,6 +154,7 @@ def run_inversion(
     defence: str = "none",
     init: str = "torch",
     only: Sequence[int] | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Invert ``targets`` client batches of ``batch`` test images with ``attack`` (``dlg``, ``idlg``, ``ig``).
 
@@ -150,6 +164,11 @@ def run_inversion(
     computes just those of the ``targets`` (each exactly as in the full run: a long attack can be run and
     kept one target at a time, and its rows summarised by :func:`summarize_targets`). Returns (and
     writes to ``out/attack_<name>.json``) the per-target and median metrics.
+
+    Each target's model (and the projector defence's attacker guess) is drawn on the host, as on the CPU,
+    then moved to ``device`` (:func:`~fedveil.models.device.resolve_device`) with its batch, once; the
+    observed gradient (or the FedAvg client's step) and the attack's matching run there, and the
+    reconstructions come back to host memory to be scored. The report records the device.
     """
     if attack not in INVERSIONS:
         raise ConfigError(f"inversion attack {attack!r} is not one of {', '.join(INVERSIONS)}")
@@ -167,6 +186,7 @@ def run_inversion(
     chosen = list(range(targets)) if only is None else sorted(set(only))
     if not chosen or any(not 0 <= i < targets for i in chosen):
         raise ConfigError(f"only={only!r} must name targets among 0 ... {targets - 1}")
+    where = resolve_device(device)
     images = load_image_dataset(data, "test", seed=seed)
     order = np.random.default_rng(seed).permutation(len(images))[: batch * targets]
     if len(order) < batch * targets:
@@ -191,9 +211,9 @@ def run_inversion(
             init=init,
         )
         if view == "fedavg":
-            seen = _fedavg_one_step_view(net, x, y, lr)
+            seen = _fedavg_one_step_view(net, x, y, lr, where)
         elif defence == "none":
-            seen = client_gradient_view(net, x, y)
+            seen = client_gradient_view(net.to(where), x.to(where), y.to(where))
         else:
             guess = None
             if defence == "projector":
@@ -204,14 +224,17 @@ def run_inversion(
                     image_size=images.image_shape[1],
                     seed=seed + 10_000 + i,
                     init=init,
-                )
-            seen = client_gradient_view(net, x, y, hidden=last_layer(net), attacker_model=guess)
+                ).to(where)
+            seen = client_gradient_view(
+                net.to(where), x.to(where), y.to(where), hidden=last_layer(net), attacker_model=guess
+            )
         result = run(
             seen,
             image_shape=images.image_shape,
             batch_size=batch,
             seed=seed + i,
             snapshot_every=1 if i < GRID_TARGETS else None,
+            device=where,
             **kwargs,
         )
         metrics = evaluate_inversion(result, x, y)
@@ -237,6 +260,7 @@ def run_inversion(
         "view": view,
         "defence": defence,
         "batch": batch,
+        "device": str(where),
         "targets": len(rows),
         **summarize_targets(rows),
         "seconds": time.perf_counter() - t0,
@@ -272,28 +296,31 @@ def summarize_targets(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 MIA_ATTACKS = ("yeom", "nasr", "lira")
 
 
-def _central_train_fn(run: FedAvgRun, epochs: int, num_classes: int) -> Any:
+def _central_train_fn(run: FedAvgRun, epochs: int, num_classes: int, device: torch.device) -> Any:
     """LiRA's shadow training: the target's architecture and client optimizer, trained centrally for
-    ``epochs`` passes in batches of the target's batch size (the attacker imitates the recipe)."""
+    ``epochs`` passes in batches of the target's batch size (the attacker imitates the recipe), on
+    ``device``: each shadow is initialised on the host (seeded as on the CPU), then it and its training
+    half move there once; the shadow returned stays there, where LiRA scores it."""
 
     def train(x: torch.Tensor, y: torch.Tensor, seed: int) -> nn.Module:
         module = build_model(
             run.model, num_classes=num_classes, in_channels=x.shape[1], image_size=x.shape[2], seed=seed
-        )
+        ).to(device)
         flat = FlatModel(module)
         rng = np.random.default_rng(seed)
         bsz = run.fedavg.batch_size
+        x, y = x.to(device), y.to(device)
         batches = []
         for _ in range(epochs):
-            order = torch.from_numpy(rng.permutation(len(x)))
+            order = torch.from_numpy(rng.permutation(len(x))).to(device)
             batches.extend((x[order[s : s + bsz]], y[order[s : s + bsz]]) for s in range(0, len(x), bsz))
 
         def loss(p: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             return nn.functional.cross_entropy(flat(p, xb), yb)
 
         opt = run.fedavg.optimizer
-        p, _ = local_train(loss, torch.from_numpy(flat.initial()), batches, opt, opt.lr)
-        return flat.load_into_module(p.detach().numpy()).eval()
+        p, _ = local_train(loss, torch.from_numpy(flat.initial()).to(device), batches, opt, opt.lr)
+        return flat.load_into_module(p.detach().cpu().numpy()).eval()
 
     return train
 
@@ -308,10 +335,12 @@ def membership_run(
     local_epochs: int = 5,
     seed: int = 0,
     model_init: str = "torch",
+    device: str = "auto",
 ) -> FedAvgRun:
     """The default target of :func:`run_membership`: full participation, SGD with momentum 0.9 and
     learning rate 0.05, batches of 16, no defence; ``test_samples`` equal to the members (non-members);
-    ``model_init`` as :class:`~fedveil.experiments.fedavg_images.FedAvgRun` takes it."""
+    ``model_init`` and ``device`` (where :func:`run_membership` trains and attacks it) as
+    :class:`~fedveil.experiments.fedavg_images.FedAvgRun` takes them."""
     return FedAvgRun(
         data=data,
         model=model,
@@ -328,6 +357,7 @@ def membership_run(
         ),
         seed=seed,
         model_init=model_init,
+        device=device,
     )
 
 
@@ -348,11 +378,19 @@ def run_membership(
     AUC must be 0.5 up to sampling error (``auc_null_std_error`` in each report). LiRA's ``shadows`` are
     trained centrally on random halves of the candidates for ``shadow_epochs`` passes (default: the
     target's epochs over a client's data, ``rounds * local_epochs``, at most 100).
+
+    Everything runs on ``run.device`` (:func:`~fedveil.models.device.resolve_device`), resolved before
+    anything trains: the FedAvg clients of the target and the control (each client's data moved once),
+    LiRA's shadow models, Yeom's losses, the Nasr-style features and LiRA's statistics (the released
+    models stay where they trained; the candidates move to them in batches of up to 1,024 per model);
+    scores, reports and the ROC plot are in host memory. The report records the device.
     """
     bad = [a for a in attacks if a not in MIA_ATTACKS]
     if bad:
         raise ConfigError(f"membership attacks {bad} are not among {', '.join(MIA_ATTACKS)}")
     run = run or membership_run(seed=seed)
+    where = resolve_device(run.device)
+    run = replace(run, device=str(where))
     target = train_fedavg(run, progress=progress)
     control = train_fedavg(replace(run, seed=run.seed + 1), progress=progress, avoid=target.candidate_index)
     n = len(target.members)
@@ -362,10 +400,10 @@ def run_membership(
     y = torch.from_numpy(np.concatenate([target.members.y, target.non_members.y[:n]]))
     is_member = np.r_[np.ones(n, bool), np.zeros(n, bool)]
     epochs = shadow_epochs or min(100, run.rounds * run.fedavg.local_epochs)
-    train_fn = _central_train_fn(run, epochs, target.members.num_classes)
+    train_fn = _central_train_fn(run, epochs, target.members.num_classes, where)
     reports: dict[str, Any] = {}
     for name, trained in (("target", target), ("control", control)):
-        model = trained.model()
+        model = trained.model().to(where)
         released = ModelView(f"{name}: released global model", model)
         for attack in attacks:
             rng = np.random.default_rng(seed)
@@ -374,7 +412,7 @@ def run_membership(
                 scores = yeom_attack(released, x, y, is_member, mean_train_loss=train_loss)
             elif attack == "nasr":
                 scores = nasr_attack(
-                    ModelView(f"{name}: released global model", model), x, y, is_member, rng=rng
+                    ModelView(f"{name}: released global model", model), x, y, is_member, rng=rng, device=where
                 )
             else:
                 both = lira_variants(released, x, y, is_member, train_fn, rng=rng, num_shadow=shadows)
@@ -393,6 +431,7 @@ def run_membership(
             "local_epochs": run.fedavg.local_epochs,
             "shadows": shadows,
             "shadow_epochs": epochs,
+            "device": str(where),
             "target_train_accuracy": target.train_accuracy(),
             "target_test": target.history[-1].get("test_accuracy"),
             "control_test": control.history[-1].get("test_accuracy"),
@@ -433,6 +472,7 @@ def run_property(
     seed: int = 0,
     out: Path | None = None,
     init: str = "torch",
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Melis et al.'s property inference on per-client FedAvg updates, and its control (module docstring);
     ``init`` is how the model's parameters are drawn (:data:`fedveil.models.zoo.INITS`).
@@ -441,7 +481,13 @@ def run_property(
     (:func:`stamp_property`). The attacker holds auxiliary examples (unused training images), stamps half
     of them, and attacks the last-layer update of every upload the server saw, over all rounds. The control
     run stamps nothing, so its "property" (the same client labels) is unrelated to the updates.
+
+    The FedAvg clients train on ``device`` (:func:`~fedveil.models.device.resolve_device`, resolved before
+    anything loads; each client's photos moved there once), and so does the attack's simulation of
+    updates on the auxiliary data (moved there once); the observed updates are decoded off the wire in
+    host memory and the classifier's features come back there. The report records the device.
     """
+    where = resolve_device(device)
     images = load_image_dataset(data, "train", seed=seed)
     rng = np.random.default_rng(seed)
     need = clients * samples_per_client
@@ -488,7 +534,9 @@ def run_property(
         )
         observer = WireObserver(flat, plan, lambda m=module: copy.deepcopy(m))
         initial = flat.initial()
-        pool = ModelClients(flat, fed, optimizer=cfg.optimizer, seed=seed, plan=plan, initial=initial)
+        pool = ModelClients(
+            flat, fed, optimizer=cfg.optimizer, seed=seed, plan=plan, initial=initial, device=where
+        )
         runtime = SimulationRuntime(pool, rng=np.random.default_rng(seed), tap=observer.tap)
         server = ModelServer(cfg, flat, np.random.default_rng(seed), plan=plan, initial=initial)
         server.setup(runtime)
@@ -509,6 +557,7 @@ def run_property(
             rng=np.random.default_rng(seed),
             batch_size=samples_per_client,
             params=last,
+            device=where,
         )
     summary = {
         "run": {
@@ -521,6 +570,7 @@ def run_property(
             "rounds": rounds,
             "views": len(views),
             "attacked_parameters": last,
+            "device": str(where),
         },
         "attacks": {f"melis/{k}": v.as_dict() for k, v in results.items()},
     }
