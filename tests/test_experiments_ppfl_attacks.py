@@ -246,9 +246,10 @@ def test_a_misspelt_device_fails_as_the_options_are_parsed(
 
 
 def test_the_device_reaches_every_training_and_attack(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each part is handed the run's resolved device: PPFL's training (its REEs and client TEEs), the
-    sealed views' DLG and property attacks, the observer's head, Nasr's features; Yeom's losses and the
-    attacked models are on it. (A CUDA device is compared with the CPU in tests/test_gpu_ppfl_attacks.py.)"""
+    """Each part is handed the run's resolved device: E2E's DLG, property and membership runs, PPFL's
+    training (its REEs and client TEEs), the sealed views' DLG and property attacks, the observer's head,
+    Nasr's features; Yeom's losses and the attacked models are on it. (A CUDA device is compared with the
+    CPU in tests/test_gpu_ppfl_attacks.py.)"""
     from fedveil.attacks.scores import model_logits
     from fedveil.models.device import module_device
 
@@ -261,6 +262,22 @@ def test_the_device_reaches_every_training_and_attack(monkeypatch: pytest.Monkey
 
         monkeypatch.setattr(ppfl_attacks, name, wrapped)
 
+    # the E2E experiments have device tests of their own: here they stand in, quickly, saying what they got
+    score = {"auc": 0.5, "precision": 0.5}
+    row = {"mse": 0.5, "psnr": 3.0, "ssim": 0.1, "label_accuracy": 1.0, "iterations_per_second": 1.0}
+    e2e = {
+        "run_inversion": ({"per_target": [row]}, lambda *a, **k: k.get("device")),
+        "run_property": (
+            {"attacks": {"melis/target": score, "melis/control": score}},
+            lambda **k: k.get("device"),
+        ),
+        "run_membership": (
+            {"attacks": {f"{a}/{w}": score for a in ("yeom", "nasr") for w in ("target", "control")}},
+            lambda **k: k["run"].device,
+        ),
+    }
+    for name, (result, pick) in e2e.items():
+        spy(name, lambda *a, result=result, **k: result, pick)
     spy("train_ppfl", ppfl_attacks.train_ppfl, lambda run, *a, **k: run.device)
     for name in ("dlg_attack", "melis_attack", "nasr_attack", "_attacker_head"):
         spy(name, getattr(ppfl_attacks, name), lambda *a, **k: str(k.get("device")))
@@ -271,9 +288,12 @@ def test_the_device_reaches_every_training_and_attack(monkeypatch: pytest.Monkey
         return model_logits(model, x, **k)
 
     monkeypatch.setattr("fedveil.attacks.mia_yeom.model_logits", yeom_logits)
-    summary = ppfl_attack_table(images=replace(_images(), device="cpu"), **TINY)
+    summary = ppfl_attack_table(images=replace(_images(), device="cpu"), **{**TINY, "e2e": True})
     assert summary["run"]["device"] == "cpu"
     assert calls == {
+        "run_inversion": ["cpu"],
+        "run_property": ["cpu"],
+        "run_membership": ["cpu"],
         "train_ppfl": ["cpu", "cpu"],
         "dlg_attack": ["cpu"],
         "melis_attack": ["cpu"],

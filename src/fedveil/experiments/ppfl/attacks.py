@@ -266,6 +266,7 @@ def ppfl_attack_table(
             seed=images.seed,
             init=images.model_init,
             only=(i,),
+            device=str(where),
         )
         return {"row": dra["per_target"][0]}
 
@@ -278,11 +279,13 @@ def ppfl_attack_table(
             rounds=pia_rounds,
             seed=images.seed,
             init=images.model_init,
+            device=str(where),
         )
         return {"pia/e2e": pia["attacks"]["melis/target"], "pia/e2e-control": pia["attacks"]["melis/control"]}
 
     def mia_rows() -> dict[str, Any]:
-        """Yeom and Nasr-style membership inference on E2E FedAvg's released model, and their control."""
+        """Yeom and Nasr-style membership inference on E2E FedAvg's released model, and their control (on
+        ``images.device``: the membership run's own device)."""
         rows: dict[str, Any] = {}
         mia = run_membership(attacks=("yeom", "nasr"), run=images, seed=images.seed, progress=progress)
         for key, value in mia["attacks"].items():

@@ -1,6 +1,6 @@
 """PPFL Table 2's membership row by LiRA (Carlini et al. 2022), with shadows trained the way each target was.
 
-The issue asks for LiRA's TPR at FPR 1e-3 beside the paper's MIA precision. That figure needs at least
+This gives LiRA's TPR at FPR 1e-3 beside the paper's MIA precision. That figure needs at least
 1,000 non-members, and shadow models that imitate how the target was trained. This experiment trains one
 member split three ways:
 
