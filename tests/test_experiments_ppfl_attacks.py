@@ -245,6 +245,18 @@ def test_a_misspelt_device_fails_as_the_options_are_parsed(
     assert "device: 'gpu:0' is not one of auto, cpu, cuda or cuda:N" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("action", ["attacks", "lira"])
+def test_a_gpu_this_machine_lacks_fails_before_the_output_folder_is_touched(
+    action: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedveil.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["ppfl", action, "--device", "cuda:0", "--out", str(tmp_path / "out")]) == 2
+    assert "device: 'cuda:0' asks for CUDA, but torch" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_device_reaches_every_training_and_attack(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each part is handed the run's resolved device: E2E's DLG, property and membership runs, PPFL's
     training (its REEs and client TEEs), the sealed views' DLG and property attacks, the observer's head,
