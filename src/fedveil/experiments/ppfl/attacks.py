@@ -27,7 +27,7 @@ settings reads it instead of running it again (an earlier run's single ``e2e`` p
 **Where it runs.** ``images.device`` (:func:`~fedveil.models.device.resolve_device`) is where everything
 trains and attacks: E2E FedAvg's clients and PPFL's REEs and emulated client TEEs (their examples move
 there once per training), DLG's matching, the property attack's simulated updates and features, the
-observer's head and the membership attacks' scoring (the candidates move there once). The PPFL server's
+observer's head and the membership attacks' scoring (PPFL's candidates move there once). The PPFL server's
 enclave stays on the CPU, and what the report holds comes back to host memory; the report records the
 resolved device (``run.device``). An output folder's parts are all computed on one device: a rerun on
 another is refused, naming both (:func:`~fedveil.experiments.ppfl.runner.claim_device`).
