@@ -294,3 +294,27 @@ def test_an_interrupted_run_resumes_after_its_last_finished_stage(
         monkeypatch.setattr(PpflServer, "_train_stage", crash_in_stage_1)
         main(["ppfl", "run", str(config), "--out", str(out), "--json", "--no-e2e", "--overwrite"])
     assert main(["ppfl", "run", str(config), "--out", str(out), "--seed", "3", "--resume", "--no-e2e"]) == 2
+
+
+def test_ppfl_transfer_device_flag_wins_over_the_configs_and_a_misspelt_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedveil ppfl transfer CONFIG --device D`` is the config's ``device: D``; without it the config
+    decides; a misspelt device fails as the options are parsed, before the sweep."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY.replace("name: tiny", "name: tiny_transfer\ndevice: cpu"))
+    asked: list[str] = []
+
+    def sweep(cfg: object, out: Path, *a: object, **k: object) -> dict[str, object]:
+        asked.append(cfg.device)  # type: ignore[attr-defined]
+        return {"e2e_accuracy": 0.5, "runs": []}
+
+    monkeypatch.setattr("fedveil.experiments.ppfl.transfer.run_transfer_sweep", sweep)
+    out = ["--out", str(tmp_path / "sweep"), "--json"]
+    assert main(["ppfl", "transfer", str(config), *out]) == 0
+    assert main(["ppfl", "transfer", str(config), "--device", "auto", *out]) == 0
+    assert asked == ["cpu", "auto"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["ppfl", "transfer", str(config), "--device", "gpu0", *out])
+    assert exc.value.code == 2 and "'gpu0'" in capsys.readouterr().err and asked == ["cpu", "auto"]

@@ -28,12 +28,14 @@ def device_spec(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_device_argument(parser: Any, *, where: str, default: str = "auto") -> None:
+def add_device_argument(parser: Any, *, where: str, default: str | None = "auto") -> None:
     """Add ``--device`` (:func:`device_spec`) to ``parser``; ``where`` says what runs there (``"where
-    the attacks run"``), ``default`` is its value when not given (``auto``: CUDA when torch sees a GPU)."""
+    the attacks run"``), ``default`` is its value when not given (``auto``: CUDA when torch sees a GPU;
+    None: the command's config decides, and ``where`` says so)."""
+    said = "" if default is None else f" (default {default})"
     parser.add_argument(
         "--device",
         type=device_spec,
         default=default,
-        help=f"{where}: auto (CUDA when available), cpu, cuda or cuda:N (default {default})",
+        help=f"{where}: auto (CUDA when available), cpu, cuda or cuda:N{said}",
     )

@@ -121,6 +121,7 @@ def register(subparsers: Any) -> None:
         "--last", type=int, nargs="+", default=[1, 2, 3, 4], help="last units trained (default 1 2 3 4)"
     )
     t.add_argument("--out", type=Path, default=None, help="sweep directory (default: runs/<name>); resumes")
+    add_device_argument(t, where="where the sweep trains (default: the config's device)", default=None)
     t.add_argument("--json", action="store_true", help="print transfer.json (no progress output)")
     c = actions.add_parser(
         "cost", help="Fig. 3: a client's CPU time and memory per step, with and without TEE"
@@ -287,7 +288,7 @@ def _transfer(args: argparse.Namespace) -> int:
     from fedveil.experiments.ppfl.runner import load_ppfl_run
     from fedveil.experiments.ppfl.transfer import run_transfer_sweep
 
-    cfg = load_ppfl_run(args.config)
+    cfg = load_ppfl_run(args.config, None if args.device is None else {"device": args.device})
     out = args.out or Path("runs") / cfg.name
     summary = run_transfer_sweep(
         cfg, out, args.fractions, args.last, progress=None if args.json else print, show_bar=not args.json
