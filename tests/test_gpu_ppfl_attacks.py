@@ -32,6 +32,7 @@ from fedveil.experiments.ppfl.runner import train_central
 from fedveil.models.device import module_device
 from fedveil.models.zoo import build_model
 from fedveil.protocols.ppfl import PpflConfig
+from test_experiments_ppfl_attacks import TINY
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,17 +41,6 @@ pytestmark = [
 
 RELATIVE = 1e-4
 SCORE_TOLERANCE = 0.05
-
-TINY = {
-    "aux_examples": 40,
-    "head_epochs": 1,
-    "dra_targets": 1,
-    "dra_iterations": 3,
-    "pia_clients": 4,
-    "pia_rounds": 1,
-    "e2e": False,
-    "progress": False,
-}
 
 
 def _images(device: str) -> FedAvgRun:

@@ -39,6 +39,7 @@ in it), scored against the targets; and the prior itself, the guess that needs n
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import time
@@ -318,9 +319,9 @@ def fdml_inversion_table(
                 entry["attack"] = None
                 entry["note"] = "the difference is zero: a round of one device has no triplet (no negative)"
             else:
-                result = invert_model_difference(
-                    view,
-                    labels,
+                invert = functools.partial(
+                    invert_model_difference,
+                    labels=labels,
                     margin=margin,
                     iterations=iterations,
                     lr=attack_lr,
@@ -328,17 +329,9 @@ def fdml_inversion_table(
                     prior=prior,
                     device=where,
                 )
-                control_view = fdml_round_difference(net, others, margin=margin, optimizer=optimizer, lr=lr)
-                control = invert_model_difference(
-                    control_view,
-                    labels,
-                    margin=margin,
-                    iterations=iterations,
-                    lr=attack_lr,
-                    seed=seed,
-                    prior=prior,
-                    device=where,
-                )
+                result = invert(view)
+                other_round = fdml_round_difference(net, others, margin=margin, optimizer=optimizer, lr=lr)
+                control = invert(other_round)
                 entry["attack"] = _score(result, originals)
                 entry["control/other-round"] = _score(control, originals)
             entry["baseline/prior-mean-window"] = _guess_score(prior.expand_as(originals).clone(), originals)
