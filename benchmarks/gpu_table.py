@@ -1,11 +1,12 @@
 """The table of a ``scripts/gpu-check`` run: each measure on the GPU beside the CPU's of the same call.
 
-``python benchmarks/gpu_table.py OUT`` reads the JSON results ``scripts/gpu-check`` wrote to ``OUT``
-(``<step>-cuda.json`` and ``<step>-cpu.json``) and the GPU and torch it named in ``OUT/gpu-check.log``,
-and prints a Markdown table for docs/benchmarks.md: per measure, the figure on ``cuda``, the figure on
-the ``cpu``, and the GPU's speed-up (rates: cuda over cpu; seconds: cpu over cuda). A measure a step did
-not produce on a device (skipped, failed or cut off) is ``not run``; nothing is estimated. Standard
-library only: it runs wherever the check's files are, with or without fedveil installed.
+``python benchmarks/gpu_table.py OUT`` reads the JSON results ``scripts/gpu-check`` appended to
+``OUT/results.jsonl`` (a line per step and device) and the GPU and torch it named in
+``OUT/gpu-check.log``, and prints a Markdown table for docs/benchmarks.md: per measure, the figure on
+``cuda``, the figure on the ``cpu``, and the GPU's speed-up (rates: cuda over cpu; seconds: cpu over
+cuda). A measure a step did not produce on a device (skipped, failed or cut off) is ``not run``; nothing
+is estimated. Standard library only: it runs wherever the check's files are, with or without fedveil
+installed.
 """
 
 from __future__ import annotations
@@ -99,13 +100,22 @@ MEASURES: list[tuple[str, str, str, Pick]] = [
 ]
 
 
-def _load(out: Path, step: str, device: str) -> dict[str, Any] | None:
-    path = out / f"{step}-{device}.json"
+def load_results(out: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """The JSON result of each step and device that finished, from ``out/results.jsonl`` (the last line
+    of a step and device wins; a line cut off mid-write, or of a failed step, is skipped)."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+        lines = (out / "results.jsonl").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("ok") and isinstance(entry.get("result"), dict):
+            found[(str(entry.get("step")), str(entry.get("device")))] = entry["result"]
+    return found
 
 
 def _cell(value: float | None, kind: str) -> str:
@@ -143,10 +153,11 @@ def gpu_table(out: Path) -> str:
         "| measure | cuda | cpu | GPU speed-up |",
         "|---|---:|---:|---:|",
     ]
+    results = load_results(out)
     for step, measure, kind, pick in MEASURES:
         values = {}
         for device in DEVICES:
-            result = _load(out, step, device)
+            result = results.get((step, device))
             values[device] = pick(result) if result is not None else None
         cuda, cpu = values["cuda"], values["cpu"]
         ratio = "n/a"

@@ -19,18 +19,22 @@ def _module():
     return module
 
 
-def _write(path: Path, value: object) -> None:
-    path.write_text(json.dumps(value))
+def _line(step: str, device: str, result: object, ok: bool = True) -> str:
+    return json.dumps({"step": step, "device": device, "ok": ok, "seconds": 1, "result": result}) + "\n"
 
 
 def test_each_measure_on_cuda_beside_the_cpus_with_the_speed_up(tmp_path: Path) -> None:
-    _write(tmp_path / "bench-fedavg-cuda.json", {"batched_updates_per_second": 900.0})
-    _write(tmp_path / "bench-fedavg-cpu.json", {"batched_updates_per_second": 12.5})
-    _write(tmp_path / "bench-rounds-cuda.json", {"floor_seconds": 0.002, "fraction_of_floor": 0.25})
-    _write(tmp_path / "bench-rounds-cpu.json", {"floor_seconds": 0.01, "fraction_of_floor": 0.4})
     rows = [{"framework": "fedveil", "seconds_per_round": 0.5}, {"framework": "pfl", "seconds_per_round": 9}]
-    _write(tmp_path / "bench-peers-cuda.json", {"rows": rows})
-    (tmp_path / "bench-mobilefacenet-cpu.json").write_text("{truncated")  # a step cut off mid-write
+    (tmp_path / "results.jsonl").write_text(
+        _line("bench-fedavg", "cuda", {"batched_updates_per_second": 1.0})
+        + _line("bench-fedavg", "cuda", {"batched_updates_per_second": 900.0})  # the last line wins
+        + _line("bench-fedavg", "cpu", {"batched_updates_per_second": 12.5})
+        + _line("bench-rounds", "cuda", {"floor_seconds": 0.002, "fraction_of_floor": 0.25})
+        + _line("bench-rounds", "cpu", {"floor_seconds": 0.01, "fraction_of_floor": 0.4})
+        + _line("bench-peers", "cuda", {"rows": rows})
+        + _line("bench-mobilefacenet", "cuda", None, ok=False)  # a step that failed
+        + '{"step": "bench-mobilefacenet", "device": "cpu", "ok": tr'  # a line cut off mid-write
+    )
     (tmp_path / "gpu-check.log").write_text(
         "gpu-check: torch 2.5.1+cu124 on NVIDIA H100 80GB HBM3\n"
         "gpu-check: bench-fedavg on cuda (limit 150 s): python3 -m fedveil bench fedavg --device cuda\n"
