@@ -345,3 +345,14 @@ def test_a_folder_of_parts_from_another_device_is_refused_naming_both(
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert runner.part_device("cuda") == torch.device("cuda", 1)
     assert runner.part_device("auto") == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"where": "cpu"}', "\udcff"])
+def test_a_damaged_device_record_is_refused_naming_it(tmp_path: Path, text: str) -> None:
+    """A ``device.json`` that is not a device record (truncated, edited, not UTF-8) is a clear error that
+    names it and says what to do, never a traceback."""
+    from fedveil.experiments.ppfl import runner
+
+    (tmp_path / runner.DEVICE_RECORD).write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ConfigError, match=r"device\.json is not a device record"):
+        runner.claim_device(tmp_path, torch.device("cpu"), artefacts=ppfl_attacks.PARTS)

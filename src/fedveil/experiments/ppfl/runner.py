@@ -268,7 +268,13 @@ def claim_device(out: Path, device: torch.device, *, artefacts: Sequence[str]) -
     ran all of them on the CPU: it counts as the CPU's."""
     record = out / DEVICE_RECORD
     if record.is_file():
-        earlier = str(json.loads(record.read_text(encoding="utf-8"))["device"])
+        try:
+            earlier = str(json.loads(record.read_text(encoding="utf-8"))["device"])
+        except (ValueError, TypeError, KeyError):
+            raise ConfigError(
+                f'{record} is not a device record ({{"device": ...}}): delete {out} to compute its parts '
+                "afresh, or give another output folder"
+            ) from None
     elif any(any(out.glob(pattern)) for pattern in artefacts):
         earlier = "cpu"
     else:
