@@ -447,3 +447,33 @@ def test_feduv_refuses_code_lengths_without_feduv(tmp_path: Path, capsys: pytest
     assert main(["feduv", "run", "--config", str(config), "--out", str(tmp_path / "o")]) == 2
     assert "code_lengths=[255] has no effect" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_ctrl_c_while_the_process_exits_prints_no_traceback() -> None:
+    """The second Ctrl-C of a stopped run can land after the command returned, while the interpreter
+    runs its exit handlers (torch's finalisers): the console script ignores it there, where it used to
+    print a ``KeyboardInterrupt`` traceback under the line that says how to continue."""
+    script = (
+        "import atexit, sys, time\n"
+        "from fedveil import cli\n"
+        "atexit.register(time.sleep, 2)\n"  # an exit handler that takes a while, as torch's can
+        "atexit.register(lambda: print('exiting', flush=True))\n"
+        "cli.main = lambda: 2\n"
+        "cli.entry()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "exiting\n"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2 and "Traceback" not in err and "KeyboardInterrupt" not in err, err

@@ -3,9 +3,7 @@
 Guarded: the sandbox's fork server imports the main module in its children, which must not run the CLI
 again."""
 
-import sys
-
-from fedveil.cli import main
+from fedveil.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

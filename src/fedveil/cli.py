@@ -13,6 +13,7 @@ import errno
 import importlib
 import pkgutil
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -104,5 +105,17 @@ def continue_command(argv: Sequence[str], args: argparse.Namespace) -> str:
     return shlex.join(["fedveil", *words])
 
 
+def entry() -> None:
+    """The ``fedveil`` console script and ``python -m fedveil``: :func:`main`, then exit with its status.
+
+    Once the command has returned, Ctrl-C is ignored: a run stopped by a first Ctrl-C returns at its
+    round's end and exits, and a second Ctrl-C that lands while the interpreter shuts down (torch's
+    finalisers, the enclave's pipes) must not print a traceback over the line that says how to
+    continue."""
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
