@@ -164,7 +164,9 @@ def _table(
     _, _, control = train_fdml(
         cfg, _subpopulation(population, data, control_users), progress=progress, desc="FDML control"
     )
-    accuracy = evaluate_weights(embed_flat, trained, target_population, cfg.eval.seed)[0]["accuracy_percent"]
+    accuracy = evaluate_weights(embed_flat, trained, target_population, cfg.eval.seed, device=device)[0][
+        "accuracy_percent"
+    ]
     samples = np.stack([population.sample_training(u, candidate_samples, sample_rng) for u in candidates])
     samples = samples.reshape(*samples.shape[:2], *input_shape(cfg))
 

@@ -317,7 +317,9 @@ def fdml_membership_table(
     }
     accuracy = None
     if users >= SEC_VII_C_MIN_USERS:
-        accuracy = evaluate_weights(embed_flat, trained, population, cfg.eval.seed)[0]["accuracy_percent"]
+        accuracy = evaluate_weights(embed_flat, trained, population, cfg.eval.seed, device=where)[0][
+            "accuracy_percent"
+        ]
     summary = {
         "run": {
             "data": "SYNTHETIC TouchAuth",

@@ -56,9 +56,12 @@ def batch_all_triplet_loss(
 
 @torch.no_grad()
 def embed_samples(net: torch.nn.Module, samples: np.ndarray, batch: int = 1024) -> np.ndarray:
-    """Embeddings ``(..., d)`` of touch samples ``(..., 30, 10)`` (evaluated in batches of ``batch``)."""
+    """Embeddings ``(..., d)`` of touch samples ``(..., 30, 10)``, in host memory: evaluated where
+    ``net`` is (:func:`~fedveil.models.device.module_device`), the samples moved there ``batch`` at a
+    time and each batch's embeddings copied back as they are computed (on the CPU nothing is copied)."""
+    where = module_device(net)
     flat = torch.tensor(np.asarray(samples, dtype=np.float32)).reshape(-1, 1, *samples.shape[-2:])
-    outputs = [net(flat[i : i + batch]) for i in range(0, flat.shape[0], batch)]
+    outputs = [net(flat[i : i + batch].to(where)).cpu() for i in range(0, flat.shape[0], batch)]
     embedded = torch.cat(outputs).numpy()
     return embedded.reshape(*samples.shape[:-2], embedded.shape[-1])
 

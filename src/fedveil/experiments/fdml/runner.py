@@ -53,7 +53,7 @@ from fedveil.experiments.config import ExperimentConfig, config_to_dict
 from fedveil.experiments.fdml.figures import write_run_plots
 from fedveil.experiments.fdml.privacy_setup import PrivacyPlan, plan_privacy
 from fedveil.experiments.plots import plot_round_timing, summarise_timings
-from fedveil.models.device import resolve_device
+from fedveil.models.device import module_device, resolve_device
 from fedveil.models.faces import ResNet34Embedding
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
@@ -70,7 +70,8 @@ EMBEDDING_DIM = 64
 @dataclass
 class Trainer:
     """A server, its runtime (the simulation with its client pool, or a network of device agents), how
-    to read the embedding network off the server, and what to close when the run ends (the enclave)."""
+    to read the embedding network off the server, what to close when the run ends (the enclave), and the
+    ``device`` the embedding network ``embed_flat`` is evaluated on (where its module is)."""
 
     server: Any
     runtime: Any
@@ -78,6 +79,7 @@ class Trainer:
     embedding_weights: Callable[[], np.ndarray]
     enclave_host: Any = None
     pool: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def close(self) -> None:
         """Shut the enclave down (idempotent)."""
@@ -195,6 +197,10 @@ def build_trainer(
     None: DP noise in a deployment comes from the operating system's entropy. With ``ray`` the simulated
     clients live in Ray actors (:mod:`fedveil.runtime.ray`), each building its shard from ``cfg``
     (:func:`shard_clients`): the population must be ``build_population(cfg)``'s.
+
+    The embedding network is evaluated where the clients train: on ``cfg.device`` (resolved here) when
+    they are simulated in this process, on the CPU when they train elsewhere (agents, Ray actors: this
+    machine need not have their GPU).
     """
     simulated = runtime is None
     if simulated and dp_seed is None:
@@ -206,6 +212,7 @@ def build_trainer(
         )
     ids = population.train_user_ids()
     embed_flat, model = _models(cfg, len(ids))
+    device = resolve_device(cfg.device) if simulated and ray is None else torch.device("cpu")
     server_rng = np.random.default_rng([cfg.seed, 1])
     runtime_rng = np.random.default_rng([cfg.seed, 2])
     host = None
@@ -247,7 +254,8 @@ def build_trainer(
             max_message_bytes=cfg.runtime.max_message_bytes,
             tap=tap,
         )
-    return Trainer(server, runtime, embed_flat, embedding_weights, host, pool)
+    embed_flat.module.to(device)
+    return Trainer(server, runtime, embed_flat, embedding_weights, host, pool, device)
 
 
 @dataclass(frozen=True)
@@ -305,39 +313,63 @@ def device_sessions(
     }
 
 
-def embed_samples(flat: FlatModel, weights: np.ndarray, samples: np.ndarray, batch: int = 1024) -> np.ndarray:
+def embed_samples(
+    flat: FlatModel,
+    weights: np.ndarray,
+    samples: np.ndarray,
+    batch: int = 1024,
+    *,
+    device: str | torch.device | None = None,
+) -> np.ndarray:
     """Embeddings ``(U, S, d)`` of test samples ``(U, S, 30, 10)`` (touch windows, one channel) or
-    ``(U, S, 3, H, W)`` (photos) under ``weights``."""
+    ``(U, S, 3, H, W)`` (photos) under ``weights``, in host memory.
+
+    The network runs on ``device`` (:func:`~fedveil.models.device.resolve_device`; None: where
+    ``flat``'s module is), which ``flat``'s module moves to (its buffers, e.g. BatchNorm's statistics,
+    must be where the inputs are): the weights move there once, the samples ``batch`` at a time, and
+    each batch's embeddings come back as they are computed. On the CPU nothing is copied."""
+    where = module_device(flat.module) if device is None else resolve_device(device)
+    flat.module.to(where)
     u, s = samples.shape[:2]
     shape = (1, *samples.shape[2:]) if samples.ndim == 4 else samples.shape[2:]
     x = torch.from_numpy(np.array(samples, dtype=np.float32)).reshape(u * s, *shape)
-    p = torch.from_numpy(np.array(weights, dtype=np.float32))
+    p = torch.from_numpy(np.array(weights, dtype=np.float32)).to(where)
     with torch.no_grad():
-        out = torch.cat([flat(p, x[i : i + batch]) for i in range(0, len(x), batch)])
+        out = torch.cat([flat(p, x[i : i + batch].to(where)).cpu() for i in range(0, len(x), batch)])
     return out.numpy().reshape(u, s, -1)
 
 
 def evaluate(trainer: Trainer, population: Any, seed: int) -> tuple[dict[str, Any], Any]:
-    """Sec. VII-C accuracy, EER, AUC and TPR at FPRs of the current embedding network."""
-    return evaluate_weights(trainer.embed_flat, trainer.embedding_weights(), population, seed)
+    """Sec. VII-C accuracy, EER, AUC and TPR at FPRs of the current embedding network, evaluated on the
+    trainer's device."""
+    return evaluate_weights(
+        trainer.embed_flat, trainer.embedding_weights(), population, seed, device=trainer.device
+    )
 
 
-def untrained_accuracy(cfg: ExperimentConfig, population: Any) -> float:
+def untrained_accuracy(cfg: ExperimentConfig, population: Any, *, device: str | torch.device) -> float:
     """Sec. VII-C accuracy (percent) of the embedding network as ``cfg.seed`` initialises it, before any
-    round: the no-learning baseline of ``accuracy.png`` (a network that only maps each user's inputs
-    somewhere already separates some users; an uninformative one scores 50%, one minus the EER)."""
+    round, evaluated on ``device`` (the run's: :attr:`Trainer.device`): the no-learning baseline of
+    ``accuracy.png`` (a network that only maps each user's inputs somewhere already separates some
+    users; an uninformative one scores 50%, one minus the EER)."""
     embed_flat, _ = _models(cfg, len(population.train_user_ids()))
-    metrics, _ = evaluate_weights(embed_flat, embed_flat.initial(), population, cfg.eval.seed)
+    metrics, _ = evaluate_weights(embed_flat, embed_flat.initial(), population, cfg.eval.seed, device=device)
     return float(metrics["accuracy_percent"])
 
 
 def evaluate_weights(
-    flat: FlatModel, weights: np.ndarray, population: Any, seed: int
+    flat: FlatModel,
+    weights: np.ndarray,
+    population: Any,
+    seed: int,
+    *,
+    device: str | torch.device | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Sec. VII-C accuracy, EER, AUC and TPR at FPRs of the embedding network ``flat`` under ``weights``
-    on ``population``'s test users (the users drawn by ``seed``)."""
+    on ``population``'s test users (the users drawn by ``seed``), embedded on ``device``
+    (:func:`embed_samples`; None: where ``flat``'s module is) and scored in host memory."""
     _, samples = population.test_samples()
-    emb = embed_samples(flat, weights, samples)
+    emb = embed_samples(flat, weights, samples, device=device)
     rep = authentication_accuracy(emb, np.random.default_rng(seed))
     metrics = {
         "accuracy_percent": float(rep.accuracy_percent),
@@ -745,11 +777,13 @@ def _write_results(
     real_seconds: float,
     network: Any,
     ray: RayPlan | None,
+    device: torch.device,
 ) -> dict[str, Any]:
-    """Step 5: ``results.json`` (the last evaluation, the untrained network's accuracy, the totals, the
-    code that ran, the DP spend) and the plots; returns the results."""
+    """Step 5: ``results.json`` (the last evaluation, the untrained network's accuracy on the run's
+    evaluation ``device``, the totals, the code that ran, the DP spend) and the plots; returns the
+    results."""
     out, totals, privacy = setup.out, record.totals, setup.privacy
-    untrained = untrained_accuracy(cfg, setup.population)
+    untrained = untrained_accuracy(cfg, setup.population, device=device)
     results = {
         "name": cfg.name,
         "protocol": cfg.protocol,
@@ -830,4 +864,6 @@ def run_experiment(
     started = time.perf_counter()
     _train(cfg, setup, trainer, record, network=network, progress=progress)
     real_seconds = time.perf_counter() - started
-    return _write_results(cfg, setup, record, real_seconds=real_seconds, network=network, ray=ray)
+    return _write_results(
+        cfg, setup, record, real_seconds=real_seconds, network=network, ray=ray, device=trainer.device
+    )

@@ -1,0 +1,173 @@
+"""Where the ``device`` setting reaches beyond training, tested on the CPU (the CUDA side is in
+tests/test_gpu_device_gaps.py): FDML's evaluation runs on the run's device in batches and its numbers on
+the CPU are the same bits as before; a device's name is spelled one way (``cuda:N``) wherever it is
+recorded."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedveil.experiments.config import load_config
+from fedveil.experiments.fdml import central, runner
+from fedveil.models.device import module_device
+from fedveil.models.flat import FlatModel
+from fedveil.models.touchauth import TouchAuthNet
+
+SMALL = [
+    "data.train_users_per_model=[6, 6]",
+    "data.test_users_per_model=[11, 11]",
+    "fdml.num_required=4",
+    "fdml.samples_per_client=4",
+    "enclave.boundary=none",
+]
+
+
+def _touch_samples(users: int, samples: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(users, samples, 30, 10)).astype(np.float32)
+
+
+def _embed_before_the_device(
+    flat: FlatModel, weights: np.ndarray, samples: np.ndarray, batch: int
+) -> np.ndarray:
+    """FDML's evaluation as it was before it took a device: the reference for the CPU's bits."""
+    u, s = samples.shape[:2]
+    x = torch.from_numpy(np.array(samples, dtype=np.float32)).reshape(u * s, 1, *samples.shape[2:])
+    p = torch.from_numpy(np.array(weights, dtype=np.float32))
+    with torch.no_grad():
+        out = torch.cat([flat(p, x[i : i + batch]) for i in range(0, len(x), batch)])
+    return out.numpy().reshape(u, s, -1)
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "auto"])
+def test_fdml_evaluation_on_the_cpu_is_the_same_bits_as_before(device: str | None) -> None:
+    torch.manual_seed(0)
+    flat = FlatModel(TouchAuthNet())
+    weights = flat.initial() + np.float32(0.01)
+    samples = _touch_samples(5, 7)
+    expected = _embed_before_the_device(flat, weights, samples, batch=8)
+    got = runner.embed_samples(flat, weights, samples, batch=8, device=device)
+    assert got.dtype == expected.dtype and got.shape == (5, 7, 64)
+    assert np.array_equal(got, expected)
+
+
+class _SpyNet(nn.Module):
+    """Records the device of every batch it is given and of its weight; answers zeros in host memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(300, 4)
+        self.seen: list[tuple[str, str, int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((x.device.type, self.lin.weight.device.type, x.shape[0]))
+        return torch.zeros(x.shape[0], 4)
+
+
+def test_fdml_evaluation_runs_each_batch_on_the_requested_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda`` asked for (here resolved to torch's ``meta`` device, which this machine has): the weights
+    and every batch of samples reach the network there, ``batch`` samples at a time."""
+    asked: list[Any] = []
+
+    def resolve(spec: Any) -> torch.device:
+        asked.append(spec)
+        return torch.device("meta")
+
+    monkeypatch.setattr(runner, "resolve_device", resolve)
+    spy = _SpyNet()
+    flat = FlatModel(spy)
+    out = runner.embed_samples(flat, flat.initial(), _touch_samples(3, 4), batch=5, device="cuda")
+    assert asked == ["cuda"]
+    assert spy.seen == [("meta", "meta", 5), ("meta", "meta", 5), ("meta", "meta", 2)]
+    assert module_device(spy).type == "meta"  # the network moved there (its buffers must be there too)
+    assert isinstance(out, np.ndarray) and out.shape == (3, 4, 4)
+
+
+def test_fdml_trainer_evaluates_on_the_device_its_clients_train_on(
+    monkeypatch: pytest.MonkeyPatch, toy_population: Any
+) -> None:
+    cfg = load_config(None, ["protocol=fdml", "rounds=1", "device=cpu", *SMALL])
+    trainer = runner.build_trainer(cfg, toy_population)
+    try:
+        assert trainer.device == torch.device("cpu") == module_device(trainer.embed_flat.module)
+    finally:
+        trainer.close()
+    calls: list[Any] = []
+    original = runner.embed_samples
+
+    def spy(*args: Any, **kwargs: Any) -> np.ndarray:
+        calls.append(kwargs.get("device"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "embed_samples", spy)
+    runner.evaluate(trainer, toy_population, seed=0)
+    runner.untrained_accuracy(cfg, toy_population, device=trainer.device)
+    assert calls == [trainer.device, trainer.device]
+
+
+def test_fdml_run_evaluates_on_its_device_and_over_a_network_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, toy_population: Any, tmp_path: Path
+) -> None:
+    """A simulated run resolves ``cfg.device`` for its evaluation (every scheduled one and the untrained
+    baseline); a run whose clients train elsewhere evaluates on this machine's CPU."""
+    resolved: list[Any] = []
+    original = runner.resolve_device
+
+    def resolve(spec: Any) -> torch.device:
+        resolved.append(spec)
+        return original(spec)
+
+    seen: list[Any] = []
+    embed = runner.embed_samples
+
+    def spy(*args: Any, **kwargs: Any) -> np.ndarray:
+        seen.append(kwargs.get("device"))
+        return embed(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "resolve_device", resolve)
+    monkeypatch.setattr(runner, "embed_samples", spy)
+    cfg = load_config(None, ["protocol=fdml", "rounds=2", "eval.every=1", "device=auto", "name=t", *SMALL])
+    runner.run_experiment(cfg, tmp_path / "run", progress=False, population=toy_population)
+    assert "auto" in resolved
+    assert seen == [torch.device("cpu")] * 3  # rounds 1 and 2, then the untrained network
+    trainer = runner.build_trainer(cfg, toy_population, runtime=object())
+    assert trainer.device == torch.device("cpu")
+
+
+def test_central_evaluation_feeds_the_net_where_it_is() -> None:
+    spy = _SpyNet().to("meta")
+    out = central.embed_samples(spy, _touch_samples(2, 3), batch=4)
+    assert spy.seen == [("meta", "meta", 4), ("meta", "meta", 2)]
+    assert out.shape == (2, 3, 4)
+    torch.manual_seed(0)
+    net = TouchAuthNet().eval()
+    samples = _touch_samples(3, 5, seed=1)
+    with torch.no_grad():
+        whole = net(torch.from_numpy(samples).reshape(15, 1, 30, 10)).numpy().reshape(3, 5, -1)
+    assert np.array_equal(central.embed_samples(net, samples, batch=15), whole)
+
+
+def test_an_fdml_round_then_evaluation_on_the_cpu_matches_the_old_evaluation(toy_population: Any) -> None:
+    cfg = load_config(None, ["protocol=fdml", "rounds=1", "device=cpu", *SMALL])
+    trainer = runner.build_trainer(cfg, toy_population)
+
+    async def one_round() -> None:
+        await trainer.server.register(trainer.runtime)
+        await trainer.server.run_round(1, trainer.runtime)
+
+    try:
+        asyncio.run(one_round())
+    finally:
+        trainer.close()
+    weights = trainer.embedding_weights()
+    _, samples = toy_population.test_samples()
+    assert np.array_equal(
+        runner.embed_samples(trainer.embed_flat, weights, samples, device=trainer.device),
+        _embed_before_the_device(trainer.embed_flat, weights, samples, batch=1024),
+    )
