@@ -20,6 +20,7 @@ from fedveil.models.device import module_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
 
+REPO = Path(__file__).resolve().parents[1]
 SMALL = [
     "data.train_users_per_model=[6, 6]",
     "data.test_users_per_model=[11, 11]",
@@ -171,3 +172,90 @@ def test_an_fdml_round_then_evaluation_on_the_cpu_matches_the_old_evaluation(toy
         runner.embed_samples(trainer.embed_flat, weights, samples, device=trainer.device),
         _embed_before_the_device(trainer.embed_flat, weights, samples, batch=1024),
     )
+
+
+NO_CUDA = not torch.cuda.is_available()
+POLICY = 'get_data(data_type="MPU").runFL.enforce_dp_budget(eps=5).return'
+
+
+class _Dialled(Exception):
+    """Raised by the stand-in for the agent's connection: the agent got as far as dialling, with ``pool``."""
+
+    def __init__(self, pool: Any) -> None:
+        super().__init__("dialled the server")
+        self.pool = pool
+
+
+def _no_dialling(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fedveil.experiments.fdml.agent as fdml_agent
+    import fedveil.experiments.network_run as network_run
+
+    def dial(server: str, pool: Any, **kwargs: Any) -> Any:
+        raise _Dialled(pool)
+
+    for module in (network_run, fdml_agent):
+        monkeypatch.setattr(module, "agent_host", dial)
+
+
+def _polifl_agent(tmp_path: Path, *extra: str) -> list[str]:
+    data = tmp_path / "alice.npz"
+    rng = np.random.default_rng(0)
+    np.savez(data, x=rng.normal(size=(8, 6)).astype(np.float32), y=rng.integers(0, 2, 8))
+    hosted = ["--device", "alice-phone", "--data", str(data), "--policy", POLICY]
+    return ["polifl", "agent", "--server", "127.0.0.1:9", "--insecure", *hosted, *extra]
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the message of a machine without CUDA")
+def test_polifl_agent_refuses_a_training_device_it_lacks_before_dialling(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedveil.cli import main
+
+    _no_dialling(monkeypatch)
+    assert main(_polifl_agent(tmp_path, "--train-device", "cuda")) == 2
+    assert "device: 'cuda' asks for CUDA" in capsys.readouterr().err
+
+
+def test_polifl_agent_trains_on_the_cpu_unless_told_and_refuses_a_misspelt_device(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedveil.cli import build_parser, main
+
+    _no_dialling(monkeypatch)
+    args = build_parser().parse_args(_polifl_agent(tmp_path))
+    assert args.train_device == "cpu" and args.device == ["alice-phone"]  # --device names who is hosted
+    with pytest.raises(_Dialled) as dialled:
+        args.func(args)
+    assert dialled.value.pool.device == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with two GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = build_parser().parse_args(_polifl_agent(tmp_path, "--train-device", "cuda:1"))
+    with pytest.raises(_Dialled) as dialled:
+        args.func(args)
+    assert dialled.value.pool.device == torch.device("cuda", 1)
+    with pytest.raises(SystemExit):
+        main(_polifl_agent(tmp_path, "--train-device", "gpu"))
+    assert "device: 'gpu' is not one of auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the message of a machine without CUDA")
+def test_the_other_agents_train_on_their_configs_device_and_refuse_one_they_lack_before_dialling(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedveil agent`` takes the experiment config's ``device`` (``--set device=...`` too) and ``fedveil
+    feduv agent`` the run's ``config.json``'s; a device this machine lacks fails before any dialling."""
+    from fedveil.cli import main
+
+    _no_dialling(monkeypatch)
+    fdml = ["agent", "--config", str(REPO / "configs/table1_fdml.yaml"), "--server", "127.0.0.1:9"]
+    fdml += ["--insecure", "--shard", "0/50", *[a for s in SMALL for a in ("--set", s)]]
+    with pytest.raises(_Dialled) as dialled:
+        main([*fdml, "--set", "device=cpu", "--set", "enclave.boundary=none"])
+    assert dialled.value.pool.pool.device == torch.device("cpu")
+    assert main([*fdml, "--set", "device=cuda"]) == 2
+    assert "device: 'cuda' asks for CUDA" in capsys.readouterr().err
+    config = tmp_path / "config.json"
+    config.write_text('{"device": "cuda"}\n', encoding="utf-8")
+    feduv = ["feduv", "agent", "--config", str(config), "--method", "softmax", "--server", "127.0.0.1:9"]
+    assert main([*feduv, "--insecure"]) == 2
+    assert "device: 'cuda' asks for CUDA" in capsys.readouterr().err

@@ -15,8 +15,9 @@
   (:func:`fedveil.experiments.polifl.scale.measure_scale`); writes ``results.json``, ``fig4.png`` and
   ``fig5.png`` under DIR.
 - ``fedveil polifl agent --server HOST:PORT --device NAME ... (--population KIND:SIZE | --data FILE.npz)
-  (--policy TEXT | --policy-file FILE.json) --credentials DIR``: policy-enforcing devices for a service
-  started with ``fedveil serve --devices-listen`` (:func:`fedveil.service.network.serve_agent`).
+  (--policy TEXT | --policy-file FILE.json) --credentials DIR [--train-device D]``: policy-enforcing
+  devices for a service started with ``fedveil serve --devices-listen``
+  (:func:`fedveil.service.network.serve_agent`), training on ``D`` (default ``cpu``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fedveil.commands import device_spec
 from fedveil.experiments.checkpoint import add_run_arguments, run_sets
 from fedveil.experiments.config import run_overrides
 
@@ -88,6 +90,14 @@ def register(subparsers: Any) -> None:
     )
     a.add_argument("--program-memory-mb", type=int, default=1024, help="local program memory (default 1024)")
     a.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    a.add_argument(
+        "--train-device",
+        type=device_spec,
+        default="cpu",
+        help="where the hosted devices train: auto (CUDA when available), cpu, cuda or cuda:N (default cpu: "
+        "an agent stands in for phones, which train on their own processor; a device this machine lacks "
+        "is refused before the agent dials the server)",
+    )
     p.set_defaults(func=run)
 
 
@@ -211,6 +221,7 @@ def _agent(args: argparse.Namespace) -> int:
         give_up_after=args.give_up_after,
         program_seconds=args.program_seconds,
         program_memory=args.program_memory_mb << 20,
+        device=args.train_device,
     )
 
 

@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import sqlalchemy as sa
@@ -32,8 +32,12 @@ from sqlalchemy.engine import Engine
 
 from fedveil.core.communicator import DeviceTiming
 from fedveil.errors import ConfigError
+from fedveil.models.device import resolve_device
 from fedveil.privacy.pairs import DataPolicyPair
 from fedveil.privacy.policy import parse
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DeviceNetwork", "device_pool", "population_data"]
 
@@ -142,10 +146,13 @@ def device_pool(
     seed: int = 0,
     program_seconds: float = 10.0,
     program_memory: int = 1 << 30,
+    device: str | torch.device = "cpu",
 ) -> Any:
     """The devices an agent hosts (module docstring): each device's ``data`` (``x``, ``y`` and, for sensor
     data, ``sensor_columns``) and its own policy (paper syntax), enforcing it on the device; models are
-    built only for ``kind`` data. Their DP noise shares come from the secure sampler (a deployment)."""
+    built only for ``kind`` data. Their DP noise shares come from the secure sampler (a deployment). They
+    train on ``device`` (:func:`~fedveil.models.device.resolve_device`; the CPU by default, as a phone
+    does)."""
     from fedveil.experiments.polifl.runner import TASKS, ModelSpec, task_model
     from fedveil.protocols.local import LocalOptimizer
     from fedveil.protocols.polifl import PolicyDevices
@@ -172,6 +179,7 @@ def device_pool(
         memory_limit=program_memory,
         builder=builder,
         secure_noise=True,
+        device=device,
     )
 
 
@@ -259,12 +267,16 @@ def serve_agent(
     program_seconds: float = 10.0,
     program_memory: int = 1 << 30,
     seed: int = 0,
+    device: str | torch.device = "cpu",
 ) -> int:
     """``fedveil polifl agent``: host ``devices`` (each with its own data and policy) against the service's
     device port until it says goodbye; the data is one device's ``data_file`` or, for simulated users,
-    their share of the seeded ``population`` (``KIND:SIZE``)."""
+    their share of the seeded ``population`` (``KIND:SIZE``). They train on ``device``
+    (:func:`~fedveil.models.device.resolve_device`), resolved first: a device this machine lacks is a
+    :class:`~fedveil.errors.ConfigError` before any data is read or the server dialled."""
     from fedveil.experiments.network_run import agent_host, serve_devices
 
+    where = resolve_device(device)
     if not devices:
         raise ConfigError("name the devices this agent hosts (--device NAME, repeatable)")
     if (population is None) == (data_file is None):
@@ -283,7 +295,13 @@ def serve_agent(
             raise ConfigError(f"population {population} holds {pop.kind} data, not {kind}")
         data = population_data(kind, pop.size, pop.seed, devices)
     pool = device_pool(
-        kind, data, policies, seed=seed, program_seconds=program_seconds, program_memory=program_memory
+        kind,
+        data,
+        policies,
+        seed=seed,
+        program_seconds=program_seconds,
+        program_memory=program_memory,
+        device=where,
     )
     host = agent_host(
         server,
