@@ -6,6 +6,7 @@ recorded."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,42 @@ def test_the_other_agents_train_on_their_configs_device_and_refuse_one_they_lack
     feduv = ["feduv", "agent", "--config", str(config), "--method", "softmax", "--server", "127.0.0.1:9"]
     assert main([*feduv, "--insecure"]) == 2
     assert "device: 'cuda' asks for CUDA" in capsys.readouterr().err
+
+
+def _gpus(monkeypatch: pytest.MonkeyPatch, count: int, current: int) -> None:
+    """Make torch see ``count`` GPUs, ``current`` the current one (no GPU is touched)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+@pytest.mark.parametrize(("current", "expected"), [(0, "cuda:0"), (1, "cuda:1")])
+def test_a_gpu_is_named_by_its_index_however_it_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch, current: int, expected: str
+) -> None:
+    from fedveil.models.device import resolve_device
+
+    _gpus(monkeypatch, 2, current)
+    for spec in ("cuda", "auto", expected, torch.device("cuda"), torch.device(expected)):
+        assert str(resolve_device(spec)) == expected, spec
+    assert str(resolve_device("cuda:0")) == "cuda:0" and str(resolve_device("cuda:1")) == "cuda:1"
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_a_folder_of_parts_resumes_on_the_same_gpu_whatever_its_spelling(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A PPFL output folder whose parts ``--device cuda`` computed resumes under ``cuda:0`` and ``auto`` (the
+    same GPU) and is refused to another GPU, naming both by index."""
+    from fedveil.errors import ConfigError
+    from fedveil.experiments.ppfl.attacks import PARTS
+    from fedveil.experiments.ppfl.runner import DEVICE_RECORD, claim_device
+    from fedveil.models.device import resolve_device
+
+    _gpus(monkeypatch, 2, 0)
+    claim_device(tmp_path, resolve_device("cuda"), artefacts=PARTS)
+    assert json.loads((tmp_path / DEVICE_RECORD).read_text(encoding="utf-8")) == {"device": "cuda:0"}
+    for spec in ("cuda:0", "auto", "cuda"):
+        claim_device(tmp_path, resolve_device(spec), artefacts=PARTS)
+    with pytest.raises(ConfigError, match="computed on cuda:0, and this run is on cuda:1"):
+        claim_device(tmp_path, resolve_device("cuda:1"), artefacts=PARTS)

@@ -53,7 +53,8 @@ def test_a_gpu_index_past_the_machines_gpus_is_named(monkeypatch: pytest.MonkeyP
     ):
         resolve_device("cuda:2")
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
-    assert resolve_device("cuda") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)  # the current GPU, by its index
 
 
 @pytest.mark.parametrize("spec", ["gpu", "CPU", "cuda:", "cuda:-1", "cuda:01", "cuda:x", " cpu", "", "mps"])
@@ -527,8 +528,9 @@ def test_bench_scale_refuses_a_gpu_for_its_ray_actors_before_starting(
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert check_scale_device("cuda", [0]) == "cuda" and check_scale_device("cpu", [1, 2]) == "cpu"
-    refused = r"device 'cuda' \(cuda\) with Ray actors \[2\]: the actors are given CPUs only.*--device cpu"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert check_scale_device("cuda", [0]) == "cuda:0" and check_scale_device("cpu", [1, 2]) == "cpu"
+    refused = r"device 'cuda' \(cuda:0\) with Ray actors \[2\]: the actors are given CPUs only.*--device cpu"
     with pytest.raises(ConfigError, match=refused):
         bench_scale(clients=[10], actors=[2], device="cuda")
     with pytest.raises(ConfigError, match=refused):

@@ -17,6 +17,7 @@ from fedveil.experiments.fedavg_images import FedAvgRun, split_images
 from fedveil.experiments.ppfl import attacks as ppfl_attacks
 from fedveil.experiments.ppfl.attacks import ppfl_attack_table
 from fedveil.experiments.ppfl.runner import train_ppfl
+from fedveil.models.device import resolve_device
 
 TINY = {
     "aux_examples": 40,
@@ -328,7 +329,7 @@ def test_a_folder_of_parts_from_another_device_is_refused_naming_both(
     (tmp_path / "parts").mkdir()
     (tmp_path / "parts" / "ppfl-kept.json").write_text("{}")
     monkeypatch.setattr(ppfl_attacks, "train_ppfl", lambda *a, **k: pytest.fail("trained"))
-    monkeypatch.setattr(ppfl_attacks, "part_device", lambda spec: torch.device("cuda", 0))
+    monkeypatch.setattr(ppfl_attacks, "resolve_device", lambda spec: torch.device("cuda", 0))
     message = rf"{tmp_path} holds parts computed on cpu, and this run is on cuda:0: resume it with device cpu"
     with pytest.raises(ConfigError, match=message):
         ppfl_attack_table(images=images, out=tmp_path, **TINY)
@@ -340,11 +341,12 @@ def test_a_folder_of_parts_from_another_device_is_refused_naming_both(
     runner.claim_device(fresh, torch.device("cuda", 0), artefacts=ppfl_attacks.PARTS)
     assert json.loads((fresh / runner.DEVICE_RECORD).read_text()) == {"device": "cuda:0"}
     runner.claim_device(fresh, torch.device("cuda", 0), artefacts=ppfl_attacks.PARTS)
-    # ``cuda`` (and ``auto`` on a GPU machine) is recorded as the GPU it is, so it resumes ``cuda:N``'s parts
-    monkeypatch.setattr(runner, "resolve_device", lambda spec: torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert runner.part_device("cuda") == torch.device("cuda", 1)
-    assert runner.part_device("auto") == torch.device("cuda", 1)
+    # ``cuda`` (and ``auto`` on a GPU machine) resolves to the GPU it is, so it resumes ``cuda:N``'s parts
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for spec in ("cuda", "auto", "cuda:0"):
+        runner.claim_device(fresh, resolve_device(spec), artefacts=ppfl_attacks.PARTS)
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"where": "cpu"}', "\udcff"])

@@ -184,7 +184,7 @@ def test_a_folder_of_shadows_from_another_device_is_refused_naming_both(
     shadows.mkdir(parents=True)
     (shadows / "shadow0.npz").write_bytes(b"")
     monkeypatch.setattr(ppfl_lira, "train_fedavg", lambda *a, **k: pytest.fail("trained"))
-    monkeypatch.setattr(ppfl_lira, "part_device", lambda spec: torch.device("cuda", 0))
+    monkeypatch.setattr(ppfl_lira, "resolve_device", lambda spec: torch.device("cuda", 0))
     with pytest.raises(ConfigError, match="holds parts computed on cpu, and this run is on cuda:0"):
         ppfl_lira_table(images=_images(), systems=("e2e",), shadows=4, out=tmp_path)
     assert not (tmp_path / "device.json").exists()

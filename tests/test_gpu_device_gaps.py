@@ -20,7 +20,7 @@ import torch
 
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml import central, runner
-from fedveil.models.device import module_device
+from fedveil.models.device import module_device, resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
 
@@ -52,7 +52,8 @@ def test_fdml_evaluation_on_cuda_equals_the_cpus(toy_population: Any) -> None:
     cfg = load_config(None, ["protocol=fdml", "rounds=1", "device=cuda", *SMALL])
     trainer = runner.build_trainer(cfg, toy_population)
     trainer.close()
-    assert trainer.device.type == "cuda" and module_device(trainer.embed_flat.module) == trainer.device
+    assert str(trainer.device) == f"cuda:{torch.cuda.current_device()}"
+    assert module_device(trainer.embed_flat.module) == trainer.device
     weights = trainer.embedding_weights()
     _, samples = toy_population.test_samples()
     on_cuda = runner.embed_samples(trainer.embed_flat, weights, samples, batch=7)
@@ -76,3 +77,10 @@ def test_central_evaluation_of_a_net_on_cuda_equals_the_cpus() -> None:
     on_cuda = central.embed_samples(net.to("cuda"), samples, batch=5)
     assert isinstance(on_cuda, np.ndarray)
     _close(on_cpu, on_cuda)
+
+
+@pytest.mark.parametrize("spec", ["cuda", "auto", "cuda:0"])
+def test_a_resolved_gpu_is_named_as_its_tensors_name_it(spec: str) -> None:
+    where = resolve_device(spec)
+    index = 0 if spec == "cuda:0" else torch.cuda.current_device()
+    assert str(where) == f"cuda:{index}" == str(torch.zeros(1, device=where).device)

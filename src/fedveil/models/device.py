@@ -1,7 +1,8 @@
 """Where training runs: the one ``device`` setting of every system, and its resolver.
 
 A run's ``device`` is ``auto`` (CUDA when torch sees a GPU, else the CPU), ``cpu``, ``cuda`` (the current
-CUDA device) or ``cuda:N`` (GPU ``N``). Every system's config, every ``run`` command's ``--device`` and
+CUDA device) or ``cuda:N`` (GPU ``N``); resolved, a GPU is always ``cuda:N``, the one name every report and
+record gives it. Every system's config, every ``run`` command's ``--device`` and
 the attack and benchmark functions take it as text and turn it into a :class:`torch.device` here, once:
 :func:`check_device_spec` when a config is loaded (the spelling), :func:`resolve_device` when training
 starts (the machine). A client's examples move to the resolved device once per run (the samples FDML's
@@ -47,12 +48,16 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
 
     ``auto`` is ``cuda`` when :func:`torch.cuda.is_available` and ``cpu`` otherwise. ``cuda`` and
     ``cuda:N`` need a CUDA device (and ``N`` below :func:`torch.cuda.device_count`): a
-    :class:`~fedveil.errors.ConfigError` naming the value says what this machine has instead."""
+    :class:`~fedveil.errors.ConfigError` naming the value says what this machine has instead.
+
+    A GPU comes back with its index, ``cuda:N`` (``cuda``, and ``auto`` on a GPU machine, are the current
+    GPU, :func:`torch.cuda.current_device`), as a tensor's ``device`` names it: every report and record
+    that writes ``str()`` of a resolved device spells one GPU one way, whichever spelling asked for it."""
     import torch
 
     text = str(spec) if isinstance(spec, torch.device) else check_device_spec(spec)
     if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        text = "cuda" if torch.cuda.is_available() else "cpu"
     if text == "cpu":
         return torch.device("cpu")
     if not text.startswith("cuda"):
@@ -63,8 +68,10 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
             "machine: use device cpu (or auto), or a torch build and machine with a GPU"
         )
     device = torch.device(text)
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
+    if device.index >= count:
         raise ConfigError(
             f"device: {text!r} names GPU {device.index}, but this machine has {count} "
             f"(cuda:0 to cuda:{count - 1}): choose one of them or cuda"

@@ -61,7 +61,8 @@ from fedveil.experiments.attacks.runs import (
     summarize_targets,
 )
 from fedveil.experiments.fedavg_images import FedAvgRun, split_images
-from fedveil.experiments.ppfl.runner import PpflRun, claim_device, part_device, train_ppfl
+from fedveil.experiments.ppfl.runner import PpflRun, claim_device, train_ppfl
+from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
 from fedveil.protocols.fedavg import ParameterPlan
@@ -238,7 +239,7 @@ def ppfl_attack_table(
     runs: a device this machine lacks, or an ``out`` whose parts were computed on another, fails first."""
     images = images or membership_run()
     cfg = ppfl or ppfl_like(images)
-    where = part_device(images.device)
+    where = resolve_device(images.device)
     if out is not None:
         claim_device(out, where, artefacts=PARTS)
     table: dict[str, Any] = {}

@@ -68,8 +68,8 @@ from fedveil.experiments.ppfl.attacks import (
     auxiliary_examples,
     ppfl_like,
 )
-from fedveil.experiments.ppfl.runner import TrainedPpfl, claim_device, part_device, train_ppfl
-from fedveil.models.device import module_device
+from fedveil.experiments.ppfl.runner import TrainedPpfl, claim_device, train_ppfl
+from fedveil.models.device import module_device, resolve_device
 from fedveil.protocols.ppfl import PpflConfig, conv_units
 
 __all__ = ["SYSTEMS", "ppfl_lira_table"]
@@ -125,7 +125,7 @@ def ppfl_lira_table(
             f"shadows={shadows!r}: online LiRA needs at least 4 (two IN and two OUT per example)"
         )
     images = images or membership_run(clients=25)
-    where = part_device(images.device)
+    where = resolve_device(images.device)
     if out is not None:
         claim_device(out, where, artefacts=KEPT)
     split = split_images(images)

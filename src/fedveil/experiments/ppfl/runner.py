@@ -115,7 +115,6 @@ __all__ = [
     "TrainedPpfl",
     "claim_device",
     "load_ppfl_run",
-    "part_device",
     "run_ppfl",
     "train_central",
     "train_e2e",
@@ -250,18 +249,9 @@ def _write_json(path: Path, value: Any) -> None:
     atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 
 
-def part_device(spec: str) -> torch.device:
-    """Where a run of parts (:func:`claim_device`) computes: :func:`~fedveil.models.device.resolve_device`
-    of ``spec``, with a CUDA device's index made explicit (``cuda`` and ``auto`` on a GPU machine are the
-    current GPU, e.g. ``cuda:0``), as its report and its folder's record name it."""
-    device = resolve_device(spec)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def claim_device(out: Path, device: torch.device, *, artefacts: Sequence[str]) -> None:
-    """Make sure every part kept in ``out`` is computed on one device: record ``device`` (resolved) in
+    """Make sure every part kept in ``out`` is computed on one device: record ``device`` (resolved by
+    :func:`~fedveil.models.device.resolve_device`, so a GPU is ``cuda:N`` however it was asked for) in
     ``out/device.json``, or refuse, naming both devices, when the folder's parts were computed on another
     (a resumed run never mixes them). A folder holding any of ``artefacts`` (glob patterns, e.g.
     ``parts/*.json``) without the record was written before parts recorded their device, when fedveil

@@ -28,7 +28,8 @@ from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
 from fedveil.experiments.fedavg_images import split_images
 from fedveil.experiments.plots import plot_series
-from fedveil.experiments.ppfl.runner import PpflRun, claim_device, part_device, run_ppfl, train_e2e
+from fedveil.experiments.ppfl.runner import PpflRun, claim_device, run_ppfl, train_e2e
+from fedveil.models.device import resolve_device
 
 __all__ = ["run_transfer_sweep"]
 
@@ -56,7 +57,7 @@ def run_transfer_sweep(
         for f in fractions
         for k in lasts
     ]  # every setting is checked before anything trains
-    where = part_device(run.device)
+    where = resolve_device(run.device)
     out = Path(out_dir)
     claim_device(out, where, artefacts=SWEEP)
     rows = []
