@@ -84,3 +84,63 @@ def test_a_resolved_gpu_is_named_as_its_tensors_name_it(spec: str) -> None:
     where = resolve_device(spec)
     index = 0 if spec == "cuda:0" else torch.cuda.current_device()
     assert str(where) == f"cuda:{index}" == str(torch.zeros(1, device=where).device)
+
+
+def _classifier() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3)).eval()
+
+
+def test_membership_statistics_of_candidates_on_cuda_equal_the_hosts() -> None:
+    """Candidates and their labels handed over on the GPU: the labels come to the host beside the logits
+    (no mixed-device gather), LiRA's cache fingerprint reads them back, and every statistic is the host's
+    within float32 rounding (LiRA's margin of the same logits is the same float64 arithmetic: equal)."""
+    from fedveil.attacks import lira
+    from fedveil.attacks.mia_nasr import nasr_features
+    from fedveil.attacks.mia_yeom import per_example_loss
+    from fedveil.attacks.scores import as_examples
+
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.normal(size=(40, 1, 4, 4)).astype(np.float32))
+    y = torch.from_numpy(rng.integers(0, 3, size=40))
+    net = _classifier()
+    on_gpu = _classifier().to("cuda")
+    xc, yc = x.to("cuda"), y.to("cuda")
+    assert as_examples(xc, yc)[1].device.type == "cpu"
+    assert lira._fingerprint(xc, yc, 2) == lira._fingerprint(x, y, 2)
+    logits = torch.from_numpy(rng.normal(size=(40, 3)).astype(np.float32))
+    assert np.array_equal(lira.logit_margin(logits.to("cuda"), yc), lira.logit_margin(logits, y))
+    _close(lira.logit_confidence(net, x, y), lira.logit_confidence(on_gpu, xc, yc))
+    _close(per_example_loss(net, x, y), per_example_loss(on_gpu, xc, yc))
+    cpu_features, names = nasr_features([net], x, y)
+    gpu_features, gpu_names = nasr_features([on_gpu], xc, yc)
+    assert names == gpu_names
+    _close(cpu_features, gpu_features)
+
+
+def test_reconstruction_metrics_and_grid_of_images_on_cuda_are_the_hosts(tmp_path: Any) -> None:
+    from fedveil.attacks.image_metrics import match_permutation, reconstruction_metrics
+    from fedveil.attacks.inversion import InversionResult, save_inversion_grid
+
+    rng = np.random.default_rng(1)
+    original = torch.from_numpy(rng.uniform(size=(3, 1, 8, 8)).astype(np.float32))
+    rebuilt = original[[2, 0, 1]] + 0.01
+    assert match_permutation(original.to("cuda"), rebuilt.to("cuda")).tolist() == [1, 2, 0]
+    on_host = reconstruction_metrics(original, rebuilt)
+    assert reconstruction_metrics(original.to("cuda"), rebuilt) == on_host
+    assert reconstruction_metrics(original.to("cuda"), rebuilt.to("cuda")) == on_host
+    result = InversionResult(
+        attack="dlg",
+        images=rebuilt,
+        labels=torch.zeros(3, dtype=torch.int64),
+        history=[(0, rebuilt)],
+        losses=[0.0],
+        final_loss=0.0,
+        seconds=1.0,
+        iterations=1,
+        restarts=1,
+        evaluations=1,
+        label_source="given",
+    )
+    path = save_inversion_grid(tmp_path / "grid.png", original.to("cuda"), result)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

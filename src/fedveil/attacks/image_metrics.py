@@ -55,13 +55,14 @@ DATA_RANGE = 1.0
 
 
 def as_images(images: torch.Tensor | ArrayLike, name: str) -> torch.Tensor:
-    """``images`` as a float64 ``(B, C, H, W)`` tensor; a single ``(C, H, W)`` image becomes a batch of 1."""
+    """``images`` as a float64 ``(B, C, H, W)`` tensor in host memory (where every metric is computed, a
+    reconstruction made on a GPU included); a single ``(C, H, W)`` image becomes a batch of 1."""
     t = images.detach() if isinstance(images, torch.Tensor) else torch.as_tensor(np.asarray(images))
     if t.ndim == 3:
         t = t.unsqueeze(0)
     if t.ndim != 4 or min(t.shape) == 0:
         raise ValidationError(f"{name} has shape {tuple(t.shape)}: expected non-empty (B, C, H, W) images")
-    t = t.to(torch.float64)
+    t = t.to("cpu", torch.float64)
     if not torch.isfinite(t).all():
         raise ValidationError(f"{name} has NaN or inf pixels")
     return t

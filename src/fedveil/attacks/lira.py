@@ -91,8 +91,9 @@ def logit_confidence(
 
 def logit_margin(logits: torch.Tensor, y: torch.Tensor) -> np.ndarray:
     """``z_y - logsumexp_{j != y} z_j`` per row of ``logits`` ``(n, classes)`` for labels ``y`` ``(n,)``
-    int64, in float64: the logit-scaled confidence ``log(p_y / (1 - p_y))`` of ``p = softmax(z)``."""
-    logits = logits.double()
+    int64, in float64 in host memory: the logit-scaled confidence ``log(p_y / (1 - p_y))`` of
+    ``p = softmax(z)``."""
+    logits, y = logits.double().cpu(), y.cpu()
     check_labels_fit(logits, y)
     if logits.shape[1] < 2:
         raise ValidationError(f"LiRA needs a classifier with at least 2 classes, got {logits.shape[1]}")
@@ -134,8 +135,8 @@ def _log_normal_pdf(value: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.
 
 def _fingerprint(x: torch.Tensor, y: torch.Tensor, queries: int) -> str:
     """SHA-256 of the population and the number of queries: what a cached shadow's phis depend on."""
-    digest = hashlib.sha256(np.ascontiguousarray(x.numpy()).tobytes())
-    digest.update(np.ascontiguousarray(y.numpy()).tobytes())
+    digest = hashlib.sha256(np.ascontiguousarray(x.cpu().numpy()).tobytes())
+    digest.update(np.ascontiguousarray(y.cpu().numpy()).tobytes())
     digest.update(str(queries).encode())
     return digest.hexdigest()
 

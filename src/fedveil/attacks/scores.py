@@ -113,7 +113,10 @@ def as_binary_labels(labels: ArrayLike, n: int, *, name: str = "labels") -> np.n
 def as_examples(
     x: ArrayLike | torch.Tensor, y: ArrayLike | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Classifier inputs ``x`` ``(n, ...)`` as float32 and labels ``y`` ``(n,)`` as int64 tensors, checked."""
+    """Classifier inputs ``x`` ``(n, ...)`` as float32 and labels ``y`` ``(n,)`` as int64 tensors, checked.
+
+    ``x`` stays where it is (candidates already on a model's device are scored there without a copy); ``y``
+    comes to host memory, where :func:`model_logits` returns the logits every statistic is computed from."""
     try:
         xt = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
         yt = y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
@@ -134,7 +137,7 @@ def as_examples(
         )
     if yt.is_floating_point() or yt.is_complex() or yt.dtype == torch.bool:
         raise ValidationError(f"y must hold integer class labels, got dtype {yt.dtype}")
-    yt = yt.detach().to(torch.int64)
+    yt = yt.detach().to("cpu", torch.int64)
     if (yt < 0).any():
         raise ValidationError(f"y must hold class labels >= 0, got {int(yt.min())}")
     return xt, yt

@@ -188,7 +188,7 @@ def ppfl_lira_table(
         accuracy = _accuracy(target, split.test)
 
         def shadow(xs: torch.Tensor, ys: torch.Tensor, seed: int) -> nn.Module:
-            return train(system, _shadow_split(split, images, xs.numpy(), ys.numpy(), seed), seed)
+            return train(system, _shadow_split(split, images, xs.cpu().numpy(), ys.cpu().numpy(), seed), seed)
 
         view = ModelView(f"{system}: what the observer sees of the released model", target)
         cache = None if out is None else out / "shadows" / system
