@@ -135,8 +135,9 @@ def cohort_embeddings(
 ) -> tuple[np.ndarray, np.ndarray]:
     """What the enclave sees in a round of ``participants`` devices: that many distinct training users
     of ``population`` drawn by ``rng``, each embedding ``samples`` of its training samples (drawn by
-    ``rng`` as a device draws them) with the network ``flat`` under ``weights``. Returns float32
-    ``(participants * samples, d)`` and the labels ``(participants * samples,)``, by participant."""
+    ``rng`` as a device draws them) with the network ``flat`` under ``weights``, embedded where ``flat``'s
+    module is (a trainer's: on its run's device). Returns float32 ``(participants * samples, d)`` in host
+    memory and the labels ``(participants * samples,)``, by participant."""
     from fedveil.experiments.fdml.runner import embed_samples
 
     ids = population.train_user_ids()
