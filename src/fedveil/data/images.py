@@ -19,7 +19,7 @@ when the files are absent it returns :func:`synthetic_fashion_mnist`, a seeded s
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,34 +301,56 @@ def _has_mnist_layout(path: Path) -> bool:
     )
 
 
+# Each class's silhouette as a mask of the jittered coordinates (u across, v down, w the width factor):
+# only the drawn class's is computed.
+_SHAPES: dict[int, Callable[[np.ndarray, np.ndarray, float], np.ndarray]] = {
+    0: lambda u, v, w: (
+        ((np.abs(u) < 6 * w) & (v > -9) & (v < 10)) | ((np.abs(u) < 12 * w) & (v > -9) & (v < -3))
+    ),
+    1: lambda u, v, w: (
+        ((np.abs(u + 3.5 * w) < 2.5 * w) | (np.abs(u - 3.5 * w) < 2.5 * w)) & (v > -12) & (v < 12)
+        | ((np.abs(u) < 6 * w) & (v > -12) & (v < -7))
+    ),
+    2: lambda u, v, w: (
+        ((np.abs(u) < 7 * w) & (v > -10) & (v < 11))
+        | ((np.abs(u) < 12 * w) & (v > -10) & (v < 9) & (np.abs(u) > 8 * w))
+    ),
+    3: lambda u, v, w: (np.abs(u) < (3 + 0.45 * (v + 11)) * w) & (v > -11) & (v < 12),
+    4: lambda u, v, w: (
+        ((np.abs(u) < 8 * w) & (v > -11) & (v < 12))
+        | ((np.abs(u) < 12 * w) & (v > -11) & (v < 10)) & ~((np.abs(u) < 1) & (v > -11))
+    ),
+    5: lambda u, v, w: (
+        ((np.abs(v - 3) < 2.5) & (np.abs(u) < 12 * w))
+        | ((np.abs(v + 2 - 0.6 * u) < 1.5) & (np.abs(u) < 10 * w))
+    ),
+    6: lambda u, v, w: (
+        ((np.abs(u) < 7 * w) & (v > -10) & (v < 11))
+        | ((np.abs(u) < 12 * w) & (v > -10) & (v < 11) & (np.abs(u) > 9 * w))
+        & ~((np.abs(u) < 0.8) & (v > -4))
+    ),
+    7: lambda u, v, w: (
+        ((v > 0) & (v < 7) & (np.abs(u) < 12 * w)) | ((v > -4) & (v < 7) & (u > 0) & (u < 12 * w))
+    ),
+    8: lambda u, v, w: (
+        ((np.abs(u) < 11 * w) & (v > -4) & (v < 11))
+        | ((np.hypot(u, v + 5) < 6) & (np.hypot(u, v + 5) > 4) & (v < -4))
+    ),
+    9: lambda u, v, w: (
+        ((u > -8 * w) & (u < 2 * w) & (v > -12) & (v < 9)) | ((u > -8 * w) & (u < 11 * w) & (v > 3) & (v < 9))
+    ),
+}
+_GRID = np.mgrid[0:28, 0:28].astype(np.float32)
+
+
 def _silhouette(cls: int, rng: np.random.Generator) -> np.ndarray:
     """One 28 x 28 clothing-like silhouette of class ``cls`` with seeded jitter (shape, place, texture)."""
     s = rng.uniform(0.85, 1.15)
     dy, dx = rng.uniform(-1.5, 1.5, size=2)
-    yy, xx = np.mgrid[0:28, 0:28].astype(np.float32)
+    yy, xx = _GRID
     v, u = (yy - 14 - dy) / s, (xx - 14 - dx) / s
     w = rng.uniform(0.9, 1.1)
-    shapes = {
-        0: ((np.abs(u) < 6 * w) & (v > -9) & (v < 10)) | ((np.abs(u) < 12 * w) & (v > -9) & (v < -3)),
-        1: ((np.abs(u + 3.5 * w) < 2.5 * w) | (np.abs(u - 3.5 * w) < 2.5 * w)) & (v > -12) & (v < 12)
-        | ((np.abs(u) < 6 * w) & (v > -12) & (v < -7)),
-        2: ((np.abs(u) < 7 * w) & (v > -10) & (v < 11))
-        | ((np.abs(u) < 12 * w) & (v > -10) & (v < 9) & (np.abs(u) > 8 * w)),
-        3: (np.abs(u) < (3 + 0.45 * (v + 11)) * w) & (v > -11) & (v < 12),
-        4: ((np.abs(u) < 8 * w) & (v > -11) & (v < 12))
-        | ((np.abs(u) < 12 * w) & (v > -11) & (v < 10)) & ~((np.abs(u) < 1) & (v > -11)),
-        5: ((np.abs(v - 3) < 2.5) & (np.abs(u) < 12 * w))
-        | ((np.abs(v + 2 - 0.6 * u) < 1.5) & (np.abs(u) < 10 * w)),
-        6: ((np.abs(u) < 7 * w) & (v > -10) & (v < 11))
-        | ((np.abs(u) < 12 * w) & (v > -10) & (v < 11) & (np.abs(u) > 9 * w))
-        & ~((np.abs(u) < 0.8) & (v > -4)),
-        7: ((v > 0) & (v < 7) & (np.abs(u) < 12 * w)) | ((v > -4) & (v < 7) & (u > 0) & (u < 12 * w)),
-        8: ((np.abs(u) < 11 * w) & (v > -4) & (v < 11))
-        | ((np.hypot(u, v + 5) < 6) & (np.hypot(u, v + 5) > 4) & (v < -4)),
-        9: ((u > -8 * w) & (u < 2 * w) & (v > -12) & (v < 9))
-        | ((u > -8 * w) & (u < 11 * w) & (v > 3) & (v < 9)),
-    }
-    mask = shapes[cls].astype(np.float32)
+    mask = _SHAPES[cls](u, v, w).astype(np.float32)
     texture = rng.uniform(0.55, 1.0) + 0.12 * rng.standard_normal((28, 28)).astype(np.float32)
     img = mask * texture + 0.05 * rng.standard_normal((28, 28)).astype(np.float32)
     return np.clip(img, 0.0, 1.0)
