@@ -208,6 +208,32 @@ def test_gpu_check_dry_run_says_the_cuda_half_and_runs_the_cpu_half(tmp_path: Pa
             assert args.actors == [], "Ray's actors get CPUs only: bench scale's GPU half is in-process"
 
 
+def test_gpu_check_dry_run_with_a_python_lacking_fedveil_says_so_once_and_stops(tmp_path: Path) -> None:
+    """A dry run installs nothing: with a Python that cannot import fedveil (here a bare one, without pip
+    either) it says what it cannot check and stops with one message saying what to do, instead of
+    failing every step."""
+    import venv
+
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "bare")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [str(REPO / "scripts/gpu-check"), "--dry-run"],
+        env={
+            **os.environ,
+            "OUT": str(out),
+            "WORK": str(tmp_path / "work"),
+            "PYTHON": str(tmp_path / "bare/bin/python3"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("cannot import fedveil") == 1 and "set PYTHON" in done.stderr, done.stderr
+    assert "cannot tell what" in done.stderr and "lacks: none" not in done.stderr, "no pip: nothing is known"
+    assert "would run bench" not in done.stderr and not (out / "results.jsonl").read_text()
+
+
 @pytest.mark.parametrize(
     ("loader", "config"),
     [

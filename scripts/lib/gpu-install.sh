@@ -8,7 +8,8 @@
 # scripts/gpu-wheels), log (a file for pip's output), root (the repository) and dry (1: a dry run), calls
 # the caller's `say MESSAGE...`, and adds one to the caller's `failures` for a dry run whose wheels do not
 # cover what its Python lacks. A dry run installs nothing: it says what the GPU machine would install and
-# checks, with `pip install --dry-run --no-index`, that WHEELS covers what this Python lacks. Otherwise
+# checks, with `pip install --dry-run --no-index`, that WHEELS covers what this Python lacks; it returns 2
+# (after that check) when this Python cannot import fedveil, since the steps could not run. Otherwise
 # install_fedveil returns 2 when torch sees no CUDA device (the caller stops), and 0 when it installed
 # what it could (what it could not install is said: the steps that import it fail).
 
@@ -43,11 +44,15 @@ EOF
 
 # install_fedveil [EXTRA...]: the install (or, in a dry run, its check) described at the top.
 install_fedveil() {
-  local missing
+  local missing lacking
   if [ "$dry" = 1 ]; then
     say "would run: $PY -m pip install --no-deps --no-build-isolation -e . (the machine's torch stays)"
-    mapfile -t missing < <(missing_requirements "$@")
-    if [ "${#missing[@]}" = 0 ]; then
+    lacking=$(missing_requirements "$@" 2>>"$log") || lacking="?"
+    mapfile -t missing < <(printf '%s' "$lacking" | sed '/^$/d')
+    if [ "$lacking" = "?" ]; then
+      say "cannot tell what $PY lacks: it has neither pip nor packaging (see $log); install pip there"
+      failures=$((failures + 1))
+    elif [ "${#missing[@]}" = 0 ]; then
       say "dependencies this Python lacks: none"
     elif [ -d "$WHEELS" ] && "$PY" -m pip install -q --dry-run --no-index --find-links "$WHEELS" \
       "${missing[@]}" >>"$log" 2>&1; then
@@ -56,6 +61,11 @@ install_fedveil() {
       say "dependencies this Python lacks: ${missing[*]}; $WHEELS does not cover them (see $log): make the" \
         "wheels with scripts/gpu-wheels"
       failures=$((failures + 1))
+    fi
+    if ! "$PY" -c 'import fedveil' 2>>"$log"; then
+      say "$PY cannot import fedveil, and a dry run installs nothing: its steps cannot run. Install it there" \
+        "(pip install -e . -c constraints/cpu.txt) or set PYTHON to a Python that has it"
+      return 2
     fi
     return 0
   fi
