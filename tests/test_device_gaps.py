@@ -299,3 +299,29 @@ def test_a_folder_of_parts_resumes_on_the_same_gpu_whatever_its_spelling(
         claim_device(tmp_path, resolve_device(spec), artefacts=PARTS)
     with pytest.raises(ConfigError, match="computed on cuda:0, and this run is on cuda:1"):
         claim_device(tmp_path, resolve_device("cuda:1"), artefacts=PARTS)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the message of a machine without CUDA")
+def test_feduv_agent_trains_where_told_else_on_the_runs_device_and_refuses_a_device_it_lacks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedveil feduv agent --train-device D`` overrides the run's ``device`` for the users it hosts (a
+    CPU-only agent can join a run recorded on ``cuda``); without it the run's device holds. A device this
+    machine lacks, or a misspelt one, fails before the users' data is made or the server dialled."""
+    from fedveil.cli import main
+
+    _no_dialling(monkeypatch)
+    config = tmp_path / "config.json"
+    small = {"writers": 2, "unseen_writers": 1, "train_examples": 2, "val_examples": 1, "test_examples": 1}
+    config.write_text(json.dumps({**small, "device": "cuda:1"}), encoding="utf-8")
+    feduv = ["feduv", "agent", "--config", str(config), "--method", "softmax", "--server", "127.0.0.1:9"]
+    with pytest.raises(_Dialled) as dialled:
+        main([*feduv, "--insecure", "--train-device", "cpu"])
+    assert dialled.value.pool.device == torch.device("cpu")
+    assert main([*feduv, "--insecure"]) == 2, "without --train-device the run's cuda:1 is asked for"
+    assert "device: 'cuda:1' asks for CUDA" in capsys.readouterr().err
+    config.write_text(json.dumps({**small, "device": "cpu"}), encoding="utf-8")
+    assert main([*feduv, "--insecure", "--train-device", "cuda"]) == 2
+    assert "device: 'cuda' asks for CUDA" in capsys.readouterr().err
+    assert main([*feduv, "--insecure", "--train-device", "gpu"]) == 2
+    assert "device: 'gpu' is not one of auto, cpu, cuda or cuda:N" in capsys.readouterr().err

@@ -160,7 +160,7 @@ def _agent(args: argparse.Namespace) -> int:
     from fedveil.experiments.network_run import agent_host, parse_shard, serve_devices
 
     torch.set_num_threads(max(1, args.threads))
-    pool = agent_clients(args.config, args.method, args.code_length)
+    pool = agent_clients(args.config, args.method, args.code_length, device=args.train_device)
     host = agent_host(
         args.server,
         pool,

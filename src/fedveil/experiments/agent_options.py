@@ -68,6 +68,12 @@ def add_feduv_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--code-length", type=int, default=None, help="FedUV's code length c")
     _add_connection_arguments(p, device="a user id to run (repeatable)", shard="I/N: every N-th user from I")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--train-device",
+        default=None,
+        help="where these users train: auto (CUDA when available), cpu, cuda or cuda:N (default: the run's "
+        "device; a device this machine lacks is refused before the agent dials the server)",
+    )
 
 
 def parse_agent_command(command: Sequence[str]) -> argparse.Namespace:
@@ -106,4 +112,4 @@ def pool_from_command(command: Sequence[str]) -> Any:
         return agent_pool(cfg, platform_public_key=key)[0]
     from fedveil.experiments.feduv.runner import agent_clients
 
-    return agent_clients(args.config, args.method, args.code_length)
+    return agent_clients(args.config, args.method, args.code_length, device=args.train_device)

@@ -309,12 +309,19 @@ def _uv_method(method: str) -> Any:
     return {"feduv": FedUVMethod, "softmax": SoftmaxMethod, "fedaws": FedAwSMethod}[method]()
 
 
-def agent_clients(config: str | Path, method: str, code_length: int | None) -> UvClients:
+def agent_clients(
+    config: str | Path, method: str, code_length: int | None, *, device: str | None = None
+) -> UvClients:
     """The users a FedUV device agent hosts for one method of the run whose ``config.json`` is ``config``
-    (``fedveil feduv agent``, and a Flower ClientApp)."""
+    (``fedveil feduv agent``, and a Flower ClientApp), training on ``device`` (None: the run's). The
+    device is resolved before the users' data is made: one this machine lacks is a
+    :class:`~fedveil.errors.ConfigError` naming it before the agent dials its server."""
     from fedveil.data.mnist_uv import generate_mnist_uv
 
     cfg = load_feduv_config(config)
+    if device is not None:
+        cfg = dataclasses.replace(cfg, device=device)
+    resolve_device(cfg.device)
     return feduv_clients(cfg, method, code_length, generate_mnist_uv(cfg.data_config()))
 
 
