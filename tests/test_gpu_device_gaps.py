@@ -23,6 +23,7 @@ from fedveil.experiments.fdml import central, runner
 from fedveil.models.device import module_device, resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.touchauth import TouchAuthNet
+from test_device_gaps import SMALL
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,14 +34,6 @@ RELATIVE = 1e-4
 """``max |Δe| <= RELATIVE * max |e|``: one forward pass on CUDA against the CPU (module docstring)."""
 ACCURACY_POINTS = 1.0
 RATE_TOLERANCE = 0.01
-
-SMALL = [
-    "data.train_users_per_model=[6, 6]",
-    "data.test_users_per_model=[11, 11]",
-    "fdml.num_required=4",
-    "fdml.samples_per_client=4",
-    "enclave.boundary=none",
-]
 
 
 def _close(cpu: np.ndarray, cuda: np.ndarray) -> None:
