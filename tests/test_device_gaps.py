@@ -91,6 +91,19 @@ def test_fdml_evaluation_runs_each_batch_on_the_requested_device(monkeypatch: py
     assert isinstance(out, np.ndarray) and out.shape == (3, 4, 4)
 
 
+def _embedding_devices(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The ``device`` of every call of the FDML runner's ``embed_samples`` from now on, in order."""
+    seen: list[Any] = []
+    original = runner.embed_samples
+
+    def spy(*args: Any, **kwargs: Any) -> np.ndarray:
+        seen.append(kwargs.get("device"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "embed_samples", spy)
+    return seen
+
+
 def test_fdml_trainer_evaluates_on_the_device_its_clients_train_on(
     monkeypatch: pytest.MonkeyPatch, toy_population: Any
 ) -> None:
@@ -100,14 +113,7 @@ def test_fdml_trainer_evaluates_on_the_device_its_clients_train_on(
         assert trainer.device == torch.device("cpu") == module_device(trainer.embed_flat.module)
     finally:
         trainer.close()
-    calls: list[Any] = []
-    original = runner.embed_samples
-
-    def spy(*args: Any, **kwargs: Any) -> np.ndarray:
-        calls.append(kwargs.get("device"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "embed_samples", spy)
+    calls = _embedding_devices(monkeypatch)
     runner.evaluate(trainer, toy_population, seed=0)
     runner.untrained_accuracy(cfg, toy_population, device=trainer.device)
     assert calls == [trainer.device, trainer.device]
@@ -125,15 +131,8 @@ def test_fdml_run_evaluates_on_its_device_and_over_a_network_on_the_cpu(
         resolved.append(spec)
         return original(spec)
 
-    seen: list[Any] = []
-    embed = runner.embed_samples
-
-    def spy(*args: Any, **kwargs: Any) -> np.ndarray:
-        seen.append(kwargs.get("device"))
-        return embed(*args, **kwargs)
-
     monkeypatch.setattr(runner, "resolve_device", resolve)
-    monkeypatch.setattr(runner, "embed_samples", spy)
+    seen = _embedding_devices(monkeypatch)
     cfg = load_config(None, ["protocol=fdml", "rounds=2", "eval.every=1", "device=auto", "name=t", *SMALL])
     runner.run_experiment(cfg, tmp_path / "run", progress=False, population=toy_population)
     assert "auto" in resolved
