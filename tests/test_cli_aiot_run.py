@@ -4,6 +4,7 @@ two trials, the printed table, resuming without repeating finished work, and con
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,8 @@ def test_a_trial_cut_off_mid_way_resumes_from_its_last_round_to_the_uninterrupte
     assert any(k.startswith("projector.") for k in ckpt.arrays), "the simulated devices' projectors"
     seen.clear()
     models.clear()
-    resumed = aiot.run_aiot(run, out, progress=False, resume=True)
+    # ``auto`` (the default) ran on the CPU here: ``cpu`` names the same device, and the run resumes
+    resumed = aiot.run_aiot(replace(run, device="cpu"), out, progress=False, resume=True)
     assert seen == ["round:2", "metrics:2", "round:3", "metrics:3"], "only the second device's last rounds"
     assert len(models) == 1 and models[0].keys() == final.keys()
     for name, value in final.items():

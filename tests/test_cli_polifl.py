@@ -5,6 +5,7 @@ uninterrupted run, config errors, and Table 4's readings against the paper."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -108,8 +109,13 @@ def test_a_crashed_run_resumes_to_the_same_model(tmp_path: Path, monkeypatch: py
     other = load_polifl_run(_config(tmp_path), {"rounds": 4})
     with pytest.raises(ConfigError, match=r"other settings \(rounds\)"):
         polifl.run_polifl(other, tmp_path / "crashed", strategies=("cascaded",), progress=False, resume=True)
+    # ``auto`` (the default) ran on the CPU here: ``cpu`` names the same device, and the run resumes
     resumed = polifl.run_polifl(
-        cfg, tmp_path / "crashed", strategies=("cascaded",), progress=False, resume=True
+        replace(cfg, device="cpu"),
+        tmp_path / "crashed",
+        strategies=("cascaded",),
+        progress=False,
+        resume=True,
     )
     a, b = whole["strategies"]["cascaded"], resumed["strategies"]["cascaded"]
     assert a["history"] == b["history"] and a["privacy"] == b["privacy"]

@@ -287,8 +287,8 @@ def test_a_folder_of_parts_resumes_on_the_same_gpu_whatever_its_spelling(
     """A PPFL output folder whose parts ``--device cuda`` computed resumes under ``cuda:0`` and ``auto`` (the
     same GPU) and is refused to another GPU, naming both by index."""
     from fedveil.errors import ConfigError
+    from fedveil.experiments.checkpoint import DEVICE_RECORD, claim_device
     from fedveil.experiments.ppfl.attacks import PARTS
-    from fedveil.experiments.ppfl.runner import DEVICE_RECORD, claim_device
     from fedveil.models.device import resolve_device
 
     _gpus(monkeypatch, 2, 0)

@@ -54,7 +54,16 @@ def test_a_tiny_run_writes_results_beside_the_paper_numbers(tiny_run, tmp_path) 
     results, run_dir, lines = tiny_run
     (tmp_path / "run").symlink_to(run_dir)
     files = {p.name for p in (tmp_path / "run").iterdir()}
-    assert files == {"config.json", "loss.png", "metrics.jsonl", "methods", "results.json", "roc.png"}
+    assert files == {
+        "config.json",
+        "device.json",
+        "loss.png",
+        "metrics.jsonl",
+        "methods",
+        "results.json",
+        "roc.png",
+    }
+    assert json.loads((tmp_path / "run" / "device.json").read_text()) == {"device": "cpu"}
     saved = {p.name for p in (tmp_path / "run" / "methods").iterdir()}
     assert saved == {f"{m}{ext}" for m in ("softmax", "fedaws", "feduv-127") for ext in (".json", ".roc.npz")}
     assert json.loads((tmp_path / "run" / "results.json").read_text()) == json.loads(json.dumps(results))
@@ -260,7 +269,8 @@ def test_a_method_cut_off_mid_way_resumes_from_its_last_round_to_the_uninterrupt
     ], "the finished method's checkpoint is gone; the one in training has its own"
     seen.clear()
     deployed.clear()
-    resumed = run_feduv(cfg, out, resume=True)
+    # ``auto`` (the default) ran on the CPU here: ``cpu`` names the same device, and the run resumes
+    resumed = run_feduv(with_overrides(cfg, device="cpu"), out, resume=True)
     assert seen == ["round:3", "metrics:3", "round:4", "metrics:4"], "only the rounds after the checkpoint"
     assert [m for m, _ in deployed] == ["feduv"]
     np.testing.assert_array_equal(deployed[0][1], final["feduv"])

@@ -323,38 +323,41 @@ def test_a_folder_of_parts_from_another_device_is_refused_naming_both(
     """Parts are never mixed across devices: ``device.json`` says where a folder's parts were computed,
     a folder of parts without it (written before the record) counts as the CPU's, and a run on another
     device is refused before anything trains."""
-    from fedveil.experiments.ppfl import runner
+    from fedveil.experiments import checkpoint
 
     images = _images()
     (tmp_path / "parts").mkdir()
     (tmp_path / "parts" / "ppfl-kept.json").write_text("{}")
     monkeypatch.setattr(ppfl_attacks, "train_ppfl", lambda *a, **k: pytest.fail("trained"))
     monkeypatch.setattr(ppfl_attacks, "resolve_device", lambda spec: torch.device("cuda", 0))
-    message = rf"{tmp_path} holds parts computed on cpu, and this run is on cuda:0: resume it with device cpu"
+    message = (
+        rf"{tmp_path} holds parts computed on cpu, and this run is on cuda:0: "
+        "resume it with --device cpu"
+    )
     with pytest.raises(ConfigError, match=message):
         ppfl_attack_table(images=images, out=tmp_path, **TINY)
-    assert not (tmp_path / runner.DEVICE_RECORD).exists()
-    (tmp_path / runner.DEVICE_RECORD).write_text(json.dumps({"device": "cuda:1"}))
+    assert not (tmp_path / checkpoint.DEVICE_RECORD).exists()
+    (tmp_path / checkpoint.DEVICE_RECORD).write_text(json.dumps({"device": "cuda:1"}))
     with pytest.raises(ConfigError, match="computed on cuda:1, and this run is on cuda:0"):
         ppfl_attack_table(images=images, out=tmp_path, **TINY)
     fresh = tmp_path / "fresh"
-    runner.claim_device(fresh, torch.device("cuda", 0), artefacts=ppfl_attacks.PARTS)
-    assert json.loads((fresh / runner.DEVICE_RECORD).read_text()) == {"device": "cuda:0"}
-    runner.claim_device(fresh, torch.device("cuda", 0), artefacts=ppfl_attacks.PARTS)
+    checkpoint.claim_device(fresh, torch.device("cuda", 0), artefacts=ppfl_attacks.PARTS)
+    assert json.loads((fresh / checkpoint.DEVICE_RECORD).read_text()) == {"device": "cuda:0"}
+    checkpoint.claim_device(fresh, torch.device("cuda", 0), artefacts=ppfl_attacks.PARTS)
     # ``cuda`` (and ``auto`` on a GPU machine) resolves to the GPU it is, so it resumes ``cuda:N``'s parts
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     for spec in ("cuda", "auto", "cuda:0"):
-        runner.claim_device(fresh, resolve_device(spec), artefacts=ppfl_attacks.PARTS)
+        checkpoint.claim_device(fresh, resolve_device(spec), artefacts=ppfl_attacks.PARTS)
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"where": "cpu"}', "\udcff"])
 def test_a_damaged_device_record_is_refused_naming_it(tmp_path: Path, text: str) -> None:
     """A ``device.json`` that is not a device record (truncated, edited, not UTF-8) is a clear error that
     names it and says what to do, never a traceback."""
-    from fedveil.experiments.ppfl import runner
+    from fedveil.experiments import checkpoint
 
-    (tmp_path / runner.DEVICE_RECORD).write_bytes(text.encode("utf-8", "surrogateescape"))
+    (tmp_path / checkpoint.DEVICE_RECORD).write_bytes(text.encode("utf-8", "surrogateescape"))
     with pytest.raises(ConfigError, match=r"device\.json is not a device record"):
-        runner.claim_device(tmp_path, torch.device("cpu"), artefacts=ppfl_attacks.PARTS)
+        checkpoint.claim_device(tmp_path, torch.device("cpu"), artefacts=ppfl_attacks.PARTS)

@@ -9,10 +9,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from fedveil.errors import ConfigError
-from fedveil.experiments.checkpoint import Checkpoint, SpendLog, load_checkpoint, save_checkpoint
-from fedveil.experiments.config import load_config
+from fedveil.experiments.checkpoint import (
+    DEVICE_RECORD,
+    Checkpoint,
+    SpendLog,
+    config_digest,
+    differing_settings,
+    identity_settings,
+    load_checkpoint,
+    save_checkpoint,
+)
+from fedveil.experiments.config import config_to_dict, load_config
 from fedveil.experiments.fdml.runner import run_experiment
 from fedveil.protocols import fdml as fdml_module
 from fedveil.protocols.fdml import FDMLServer
@@ -63,7 +73,9 @@ def test_a_crashed_simulation_resumes_to_the_same_model(
         run_experiment(cfg, crashed, progress=False, population=toy_population)
     assert load_checkpoint(crashed).round == 3
     monkeypatch.setattr(server_cls, "run_round", original)
-    results = run_experiment(cfg, crashed, progress=False, population=toy_population, resume=True)
+    # ``auto`` (the default) ran on the CPU here: ``cpu`` names the same device, and the run resumes
+    on_cpu = load_config(None, [f"protocol={protocol}", *SMALL, "device=cpu"])
+    results = run_experiment(on_cpu, crashed, progress=False, population=toy_population, resume=True)
     assert [r["round"] for r in _rounds(crashed)] == [1, 2, 3, 4, 5]
     assert results["rounds"] == 5 and results["resumed_after_round"] == 3
     np.testing.assert_array_equal(_weights(crashed), _weights(whole))
@@ -112,6 +124,48 @@ def test_resume_refuses_another_config(tmp_path: Path, toy_population: Any) -> N
             population=toy_population,
             resume=True,
         )
+
+
+def test_a_run_resumes_on_its_device_however_spelled_and_on_no_other(
+    tmp_path: Path, toy_population: Any
+) -> None:
+    """The device a run trained on is recorded as resolved (``device.json``); a resumed run is compared on
+    it, not on the spelling of the option. A checkpoint whose digest still hashes the device as spelled
+    (written before digests left it out) resumes under the same spelling."""
+    cfg = load_config(None, [*SMALL, "rounds=2"])
+    assert cfg.device == "auto"
+    run_experiment(cfg, tmp_path, progress=False, population=toy_population)
+    assert json.loads((tmp_path / DEVICE_RECORD).read_text()) == {"device": "cpu"}
+    on_cpu = load_config(None, [*SMALL, "rounds=2", "device=cpu"])
+    assert run_experiment(on_cpu, tmp_path, progress=False, population=toy_population, resume=True)
+    with pytest.raises(ConfigError, match=r"config\.yaml holds another config than this one \(seed\)"):
+        run_experiment(
+            load_config(None, [*SMALL, "rounds=2", "seed=9"]),
+            tmp_path,
+            progress=False,
+            population=toy_population,
+            resume=True,
+        )
+
+    ckpt = load_checkpoint(tmp_path)
+    spelled = config_digest(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    assert ckpt.meta["config_sha256"] != spelled
+    save_checkpoint(tmp_path, Checkpoint(ckpt.round, ckpt.arrays, {**ckpt.meta, "config_sha256": spelled}))
+    (tmp_path / DEVICE_RECORD).unlink()
+    results = run_experiment(cfg, tmp_path, progress=False, population=toy_population, resume=True)
+    assert results["resumed_after_round"] == 2
+    assert json.loads((tmp_path / DEVICE_RECORD).read_text()) == {"device": "cpu"}, "it counts as the CPU's"
+
+    (tmp_path / DEVICE_RECORD).write_text(json.dumps({"device": "cuda:0"}))
+    message = r"computed on cuda:0, and this run is on cpu: resume it with --device cuda:0"
+    with pytest.raises(ConfigError, match=message):
+        run_experiment(cfg, tmp_path, progress=False, population=toy_population, resume=True)
+
+
+def test_identity_settings_leave_out_the_device_and_the_free_settings() -> None:
+    settings = {"rounds": 3, "device": "cuda:0", "threads": 4, "lr": 1e-3, "shape": (2, 3)}
+    assert identity_settings(settings, free=("threads",)) == {"rounds": 3, "lr": 1e-3, "shape": [2, 3]}
+    assert differing_settings({"a": 1, "b": 2}, {"b": 3, "c": 4}) == ["a", "b", "c"]
 
 
 def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def test_a_run_killed_inside_a_stage_resumes_to_the_uninterrupted_run(
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     ckpt = load_checkpoint(out)
     assert ckpt is not None and "sealed" in ckpt.arrays and "partial" in ckpt.meta, "a mid-stage checkpoint"
-    resumed = _cli(*args, "--resume")
+    resumed = _cli(*args, "--resume", "--device", "cpu")  # the device ``auto`` resolved to here
     assert resumed.returncode == 0, resumed.stderr
     assert _outcome(out) == uninterrupted, "every round's loss and accuracy, bit for bit"
     assert load_checkpoint(out) is None

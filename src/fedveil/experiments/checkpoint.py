@@ -13,8 +13,10 @@ the rounds that crashed after their release and before their checkpoint: their s
 A run directory holds one run (:func:`prepare_run_dir`): a new run refuses a directory that holds
 anything unless told to continue it (``resume``) or to clear it first (``overwrite``), and a checkpoint
 names the config it was trained under (:func:`config_digest`), so that one run's weights never continue
-another run. :class:`StopAtRoundEnd` is every runner's Ctrl-C: the first stops the run at the end of its
-round, after the round's checkpoint; a second stops it at once.
+another run. A run records the device it computes on (``device.json``, :func:`claim_device`): a resumed
+run continues on that device, however the device option spells it. :class:`StopAtRoundEnd` is every
+runner's Ctrl-C: the first stops the run at the end of its round, after the round's checkpoint; a second
+stops it at once.
 """
 
 from __future__ import annotations
@@ -26,20 +28,33 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedveil.core.atomic import atomic_file, fsync_dir
+from fedveil.core.atomic import atomic_file, atomic_write, fsync_dir
 from fedveil.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 CHECKPOINT = "checkpoint.npz"
 SPEND_LOG = "privacy_spent.jsonl"
+#: The file of a run directory (or a folder of parts) that says where it computed (:func:`claim_device`).
+DEVICE_RECORD = "device.json"
 #: Files whose presence marks a directory as a fedveil run directory (what ``overwrite`` may clear).
-RUN_FILES = ("config.yaml", "config.json", "metrics.jsonl", "results.json", CHECKPOINT, SPEND_LOG)
+RUN_FILES = (
+    "config.yaml",
+    "config.json",
+    "metrics.jsonl",
+    "results.json",
+    CHECKPOINT,
+    SPEND_LOG,
+    DEVICE_RECORD,
+)
 #: Test hook (:func:`crash_point`): ``NAME:ROUND`` makes the process SIGKILL itself there.
 CRASH_ENV = "FEDVEIL_CRASH_AT"
 
@@ -124,6 +139,51 @@ def config_digest(resolved: str | bytes) -> str:
     resumed run continues the checkpoint only under the same digest."""
     data = resolved.encode("utf-8") if isinstance(resolved, str) else resolved
     return hashlib.sha256(data).hexdigest()
+
+
+def identity_settings(settings: Mapping[str, Any], *, free: Iterable[str] = ()) -> dict[str, Any]:
+    """The settings that name a run's numbers, as JSON values: ``settings`` without the ``free`` ones
+    (threads, workers: how fast, not what) and without ``device``. The device is not compared as it was
+    spelled (``auto``, ``cuda`` and ``cuda:0`` are one GPU on a one-GPU machine, ``auto`` and ``cpu`` one
+    CPU on a machine without CUDA): a run records the device it resolved to (:func:`claim_device`)."""
+    skip = {"device", *free}
+    return {k: v for k, v in json.loads(json.dumps(dict(settings), default=str)).items() if k not in skip}
+
+
+def differing_settings(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """The names of the settings whose values differ between ``mine`` and ``theirs`` (sorted)."""
+    return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+
+
+def claim_device(out: Path, device: torch.device, *, artefacts: Sequence[str]) -> None:
+    """Make sure everything a run keeps in ``out`` is computed on one device: record ``device`` (resolved
+    by :func:`~fedveil.models.device.resolve_device`, so a GPU is ``cuda:N`` however it was asked for) in
+    ``out/device.json``, or refuse, naming both devices, when ``out`` was computed on another (a resumed
+    run never mixes devices: their floating-point results differ). A folder holding any of ``artefacts``
+    (glob patterns, e.g. ``checkpoint.npz``, ``parts/*.json``) without the record was written before runs
+    recorded their device, when fedveil computed everything on the CPU: it counts as the CPU's."""
+    record = out / DEVICE_RECORD
+    if record.is_file():
+        try:
+            earlier = str(json.loads(record.read_text(encoding="utf-8"))["device"])
+        except (ValueError, TypeError, KeyError):
+            raise ConfigError(
+                f'{record} is not a device record ({{"device": ...}}): delete {out} to compute its parts '
+                "afresh, or give another output folder"
+            ) from None
+    elif any(any(out.glob(pattern)) for pattern in artefacts):
+        earlier = "cpu"
+    else:
+        earlier = None
+    if earlier is not None and earlier != str(device):
+        raise ConfigError(
+            f"{out} holds parts computed on {earlier}, and this run is on {device}: resume it with "
+            f"--device {earlier}, or give another output folder (or delete {out}) to compute everything "
+            f"on {device}"
+        )
+    if not record.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(record, (json.dumps({"device": str(device)}, indent=2) + "\n").encode())
 
 
 def add_run_dir_arguments(parser: Any) -> None:
@@ -220,11 +280,15 @@ def prepare_run_dir(directory: str | Path, *, resume: bool, overwrite: bool) -> 
     return out
 
 
-def check_checkpoint_identity(out: Path, ckpt: Checkpoint, digest: str, *, name: str = CHECKPOINT) -> None:
+def check_checkpoint_identity(
+    out: Path, ckpt: Checkpoint, digest: str, *, name: str = CHECKPOINT, legacy: str | None = None
+) -> None:
     """Refuse to continue ``ckpt`` (the file ``name`` in ``out``) under a config whose
-    :func:`config_digest` is not the one it was trained under (or a checkpoint that names none)."""
+    :func:`config_digest` is not the one it was trained under (or a checkpoint that names none).
+    ``legacy``: the digest the same config had before digests left out the device's spelling
+    (:func:`identity_settings`), which a checkpoint written then names."""
     theirs = ckpt.meta.get("config_sha256")
-    if theirs != digest:
+    if theirs != digest and (legacy is None or theirs != legacy):
         why = "names no config" if theirs is None else "was trained under another config"
         raise ConfigError(
             f"{out / name} (round {ckpt.round}) {why}: it is not this run's and is not resumed; "

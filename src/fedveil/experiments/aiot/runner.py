@@ -65,8 +65,11 @@ from fedveil.experiments.checkpoint import (
     Checkpoint,
     StopAtRoundEnd,
     check_checkpoint_identity,
+    claim_device,
     config_digest,
     crash_point,
+    differing_settings,
+    identity_settings,
     load_checkpoint,
     prepare_run_dir,
     save_checkpoint,
@@ -443,23 +446,25 @@ def run_aiot(
     torch.set_num_threads(run.threads)
     settings = asdict(run)
     free = ("trials", "methods", "threads")  # a (method, trial)'s numbers do not depend on them
-    digest = config_digest(json.dumps({k: v for k, v in settings.items() if k not in free}, sort_keys=True))
+    mine = identity_settings(settings, free=free)
+    digest = config_digest(json.dumps(mine, sort_keys=True))
+    legacy = config_digest(json.dumps({k: v for k, v in settings.items() if k not in free}, sort_keys=True))
     previous = load_checkpoint(out) if resume else None
     if previous is not None:
-        check_checkpoint_identity(out, previous, digest)
-    checkpoints = _RoundCheckpoints(out, digest, previous)
+        check_checkpoint_identity(out, previous, digest, legacy=legacy)
     path = out / "results.json"
     record: dict[str, Any] = {"run": settings, "code": code_identity(), "results": {}}
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
-        fixed = {k: v for k, v in saved.get("run", {}).items() if k not in free}
-        mine = {k: v for k, v in json.loads(json.dumps(settings)).items() if k not in free}
+        fixed = identity_settings(saved.get("run", {}), free=free)
         if fixed != mine:
-            changed = sorted(k for k in set(fixed) | set(mine) if fixed.get(k) != mine.get(k))
+            changed = ", ".join(differing_settings(fixed, mine))
             raise ConfigError(
                 f"{path} was written by a run with other settings ({changed}): use another --out"
             )
         record["results"] = saved.get("results", {})
+    claim_device(out, device, artefacts=(CHECKPOINT, "results.json", "pretrained.safetensors"))
+    checkpoints = _RoundCheckpoints(out, digest, previous)
     start = time.perf_counter()
     public, _ = synthetic_faces(
         run.public_identities, run.wild, domain="public", size=run.size, seed=run.seed

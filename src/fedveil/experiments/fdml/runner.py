@@ -39,12 +39,16 @@ from fedveil.enclave.measure import EnclaveConfig, measure_enclave
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.eval.verification import authentication_accuracy
 from fedveil.experiments.checkpoint import (
+    CHECKPOINT,
     Checkpoint,
     SpendLog,
     StopAtRoundEnd,
     check_checkpoint_identity,
+    claim_device,
     config_digest,
     crash_point,
+    differing_settings,
+    identity_settings,
     load_checkpoint,
     prepare_run_dir,
     save_checkpoint,
@@ -451,26 +455,40 @@ class _Record:
 
 
 def _prepare_run(
-    cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool, overwrite: bool, population: Any
+    cfg: ExperimentConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool,
+    overwrite: bool,
+    population: Any,
+    device: torch.device | None,
 ) -> _Setup:
     """Step 1: the run directory (:func:`~fedveil.experiments.checkpoint.prepare_run_dir`), the checkpoint
-    a resumed run continues from (refused under another config), the population, the DP plan (a plan
-    it refuses leaves the directory as it was), the resolved ``config.yaml``, and the DP spend log
-    (cleared for a new run) that says which rounds were paid for and restores the ledger from them."""
+    a resumed run continues from (refused under another config, or on another ``device``: where the
+    clients train, None when they are not simulated here), the population, the DP plan (a plan it
+    refuses leaves the directory as it was), the resolved ``config.yaml``, and the DP spend log (cleared
+    for a new run) that says which rounds were paid for and restores the ledger from them."""
     out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
-    resolved = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-    digest = config_digest(resolved)
+    settings = config_to_dict(cfg)
+    resolved = yaml.safe_dump(settings, sort_keys=False)
+    mine = identity_settings(settings)
+    digest = config_digest(yaml.safe_dump(mine, sort_keys=False))
     previous = load_checkpoint(out) if resume else None
-    if resume and (out / "config.yaml").exists() and (out / "config.yaml").read_text("utf-8") != resolved:
-        raise ConfigError(
-            f"{out / 'config.yaml'} holds another config than this one: resume with the same config, "
-            "or choose another --out"
-        )
+    saved = out / "config.yaml"
+    if resume and saved.exists():
+        theirs = identity_settings(yaml.safe_load(saved.read_text("utf-8")) or {})
+        if theirs != mine:
+            raise ConfigError(
+                f"{saved} holds another config than this one ({', '.join(differing_settings(mine, theirs))}):"
+                " resume with the same config, or choose another --out"
+            )
     if previous is not None:
-        check_checkpoint_identity(out, previous, digest)
+        check_checkpoint_identity(out, previous, digest, legacy=config_digest(resolved))
     population = population if population is not None else build_population(cfg)
     privacy = plan_privacy(cfg, population, EMBEDDING_DIM)
     atomic_write(out / "config.yaml", resolved.encode("utf-8"))
+    if device is not None:
+        claim_device(out, device, artefacts=(CHECKPOINT, "metrics.jsonl", "results.json"))
     spend = SpendLog(out)
     if not resume:
         spend.reset()
@@ -854,11 +872,13 @@ def run_experiment(
     """
     if network is not None and ray is not None:
         raise ConfigError("a run goes over the network or on Ray, not both")
-    if network is None and ray is None:  # devices simulated here: a device this machine lacks fails first
-        resolve_device(cfg.device)
+    # devices simulated here: a device this machine lacks fails before the run directory is touched
+    device = resolve_device(cfg.device) if network is None and ray is None else None
     torch.set_num_threads(cfg.runtime.threads)
     retain_freed_memory()
-    setup = _prepare_run(cfg, out_dir, resume=resume, overwrite=overwrite, population=population)
+    setup = _prepare_run(
+        cfg, out_dir, resume=resume, overwrite=overwrite, population=population, device=device
+    )
     trainer = _start_trainer(cfg, setup, network=network, ray=ray)
     record = _read_past(setup)
     started = time.perf_counter()

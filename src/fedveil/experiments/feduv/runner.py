@@ -61,8 +61,11 @@ from fedveil.experiments.checkpoint import (
     Checkpoint,
     StopAtRoundEnd,
     check_checkpoint_identity,
+    claim_device,
     config_digest,
     crash_point,
+    differing_settings,
+    identity_settings,
     load_checkpoint,
     prepare_run_dir,
     save_checkpoint,
@@ -439,10 +442,10 @@ def run_feduv(
     (:class:`~fedveil.experiments.checkpoint.StopAtRoundEnd`).
     """
     torch.set_num_threads(cfg.threads)
-    if network is None:  # simulated users train here: a device this machine lacks fails before the run
-        resolve_device(cfg.device)
+    # simulated users train here: a device this machine lacks fails before the run directory is touched
+    device = resolve_device(cfg.device) if network is None else None
     out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
-    _claim_run_dir(out, cfg)
+    _claim_run_dir(out, cfg, device)
     digest = _digest(cfg)
     say = progress or (lambda _line: None)
     started = time.perf_counter()
@@ -565,9 +568,15 @@ def run_figures(
     }
 
 
-def _claim_run_dir(out: Path, cfg: FeduvRunConfig) -> None:
+#: The settings that do not change a run's numbers (nor its identity, :func:`_digest`).
+FREE_SETTINGS = ("workers", "threads")
+
+
+def _claim_run_dir(out: Path, cfg: FeduvRunConfig, device: torch.device | None) -> None:
     """Create ``out`` with ``config.json``, or check that the one there is ``cfg``'s (except ``workers``
-    and ``threads``, which do not change the numbers)."""
+    and ``threads``, which do not change the numbers, and the spelling of ``device``: ``device``, where
+    the users train, None when they are agents elsewhere, is checked on the device it resolved to,
+    :func:`~fedveil.experiments.checkpoint.claim_device`)."""
     mine = _config_dict(cfg)
     path = out / "config.json"
     if path.is_file():
@@ -577,22 +586,29 @@ def _claim_run_dir(out: Path, cfg: FeduvRunConfig) -> None:
             raise ConfigError(
                 f"{str(path)!r} is not a readable run config ({exc}); use another --out"
             ) from None
-        free = {"workers", "threads"}
-        differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
+        differ = differing_settings(
+            identity_settings(mine, free=FREE_SETTINGS), identity_settings(theirs, free=FREE_SETTINGS)
+        )
         if differ:
             raise ConfigError(
                 f"run directory {str(out)!r} holds a run with other settings ({', '.join(differ)}); "
                 "use another --out, or delete it to start over"
             )
+    if device is not None:
+        claim_device(out, device, artefacts=("methods/*",))
     out.mkdir(parents=True, exist_ok=True)
     (out / "methods").mkdir(exist_ok=True)
     path.write_text(json.dumps(mine, indent=2) + "\n", encoding="utf-8")
 
 
-def _digest(cfg: FeduvRunConfig) -> str:
-    """The identity of ``cfg``'s numbers (:func:`~fedveil.experiments.checkpoint.config_digest`):
-    every setting but ``workers`` and ``threads``."""
-    kept = {k: v for k, v in _config_dict(cfg).items() if k not in ("workers", "threads")}
+def _digest(cfg: FeduvRunConfig, *, legacy: bool = False) -> str:
+    """The identity of ``cfg``'s numbers (:func:`~fedveil.experiments.checkpoint.config_digest`): every
+    setting but :data:`FREE_SETTINGS` and the device (:func:`_claim_run_dir`). ``legacy``: the digest
+    that checkpoints written before it left out the device name."""
+    if legacy:
+        kept = {k: v for k, v in _config_dict(cfg).items() if k not in FREE_SETTINGS}
+    else:
+        kept = identity_settings(_config_dict(cfg), free=FREE_SETTINGS)
     return config_digest(json.dumps(kept, sort_keys=True))
 
 
@@ -812,7 +828,9 @@ def _train_one(
         if previous is None:
             return 1
         assert checkpoints is not None
-        check_checkpoint_identity(checkpoints[0] / "methods", previous, checkpoints[1], name=name)
+        check_checkpoint_identity(
+            checkpoints[0] / "methods", previous, checkpoints[1], name=name, legacy=_digest(cfg, legacy=True)
+        )
         server.engine.load_state_dict(previous.arrays, previous.meta["server"])
         if network is None:
             if previous.meta["pool"] is None:

@@ -54,7 +54,14 @@ from fedveil.core.provenance import code_identity
 from fedveil.enclave.secure_noise import SecureNoise
 from fedveil.errors import ConfigError, RunInterrupted
 from fedveil.eval.plots import method_colours, save_png
-from fedveil.experiments.checkpoint import StopAtRoundEnd, crash_point, prepare_run_dir
+from fedveil.experiments.checkpoint import (
+    StopAtRoundEnd,
+    claim_device,
+    crash_point,
+    differing_settings,
+    identity_settings,
+    prepare_run_dir,
+)
 from fedveil.experiments.config import load_run_config
 from fedveil.experiments.plots import Note, Reference, series_figure
 from fedveil.experiments.report import announce_stand_in
@@ -1042,9 +1049,9 @@ def run_polifl(
     """Every strategy of ``run`` (or ``strategies``), resumable in ``out`` (``resume``); writes
     ``results.json`` and ``curves.png`` there and returns the results (module docstring)."""
     torch.set_num_threads(run.threads)
-    resolve_device(run.device)  # a device this machine lacks fails before the run directory is touched
+    device = resolve_device(run.device)  # a device this machine lacks fails before the run dir is touched
     out = prepare_run_dir(out, resume=resume, overwrite=overwrite)
-    _claim_run_dir(out, run)
+    _claim_run_dir(out, run, device)
     task = build_task(run)
     if task.stand_in:
         announce_stand_in(task.stand_in, quiet=not progress)
@@ -1133,27 +1140,29 @@ def curves_figure(run: PolifLRun, task: Task, strategies: dict[str, dict[str, An
     )
 
 
-def _claim_run_dir(out: Path, run: PolifLRun) -> None:
+def _claim_run_dir(out: Path, run: PolifLRun, device: torch.device) -> None:
     """Write ``out/config.json`` (the settings that decide the numbers), or refuse to continue a run
-    with other settings, or one that does not say which it has."""
+    with other settings, or one that does not say which it has; the simulated devices train on ``device``
+    only (the resolved device, :func:`~fedveil.experiments.checkpoint.claim_device`)."""
     settings = {k: v for k, v in asdict(run).items() if k not in ("threads", "strategies")}
     mine = json.loads(json.dumps(settings, default=str))
     path = out / "config.json"
     if path.is_file():
         theirs = json.loads(path.read_text(encoding="utf-8"))
-        if theirs != mine:
-            differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        differ = differing_settings(identity_settings(mine), identity_settings(theirs))
+        if differ:
             raise ConfigError(
                 f"run directory {str(out)!r} holds a run with other settings ({', '.join(differ)}): resume "
                 "it with its own config, start afresh with --overwrite, or choose another --out"
             )
-        return
-    if any(out.glob("*/state.json")):
+    elif any(out.glob("*/state.json")):
         raise ConfigError(
             f"run directory {str(out)!r} holds strategy states but no config.json saying which settings "
             "made them: start afresh with --overwrite, or choose another --out"
         )
-    atomic_write(path, (json.dumps(mine, indent=1) + "\n").encode())
+    claim_device(out, device, artefacts=("*/state.json", "results.json"))
+    if not path.is_file():
+        atomic_write(path, (json.dumps(mine, indent=1) + "\n").encode())
 
 
 def _json(value: Any) -> Any:

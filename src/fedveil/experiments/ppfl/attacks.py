@@ -30,7 +30,7 @@ there once per training), DLG's matching, the property attack's simulated update
 observer's head and the membership attacks' scoring (PPFL's candidates move there once). The PPFL server's
 enclave stays on the CPU, and what the report holds comes back to host memory; the report records the
 resolved device (``run.device``). An output folder's parts are all computed on one device: a rerun on
-another is refused, naming both (:func:`~fedveil.experiments.ppfl.runner.claim_device`).
+another is refused, naming both (:func:`~fedveil.experiments.checkpoint.claim_device`).
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ from fedveil.experiments.attacks.runs import (
     run_property,
     summarize_targets,
 )
+from fedveil.experiments.checkpoint import claim_device
 from fedveil.experiments.fedavg_images import FedAvgRun, split_images
-from fedveil.experiments.ppfl.runner import PpflRun, claim_device, train_ppfl
+from fedveil.experiments.ppfl.runner import PpflRun, train_ppfl
 from fedveil.models.device import resolve_device
 from fedveil.models.flat import FlatModel
 from fedveil.models.zoo import build_model
@@ -97,7 +98,7 @@ def _ppfl_run(images: FedAvgRun, cfg: PpflConfig, tee_mib: float) -> PpflRun:
 
 def _settings_images(images: FedAvgRun) -> str:
     """``images`` as the parts' settings record it: without its device, which the output folder records
-    apart (:func:`~fedveil.experiments.ppfl.runner.claim_device`: one resolved device for all its parts,
+    apart (:func:`~fedveil.experiments.checkpoint.claim_device`: one resolved device for all its parts,
     whatever its spelling), so that parts written before that record still match."""
     return repr(replace(images, device="auto"))
 

@@ -36,7 +36,7 @@ logits, the target's test accuracy). The candidates stay in host memory, where t
 fingerprint reads them, and move to the device in LiRA's scoring batches; what the report holds comes back
 to host memory, and it records the resolved device (``run.device``). An output folder's shadows and parts
 are all computed on one device: a rerun on another is refused, naming both
-(:func:`~fedveil.experiments.ppfl.runner.claim_device`).
+(:func:`~fedveil.experiments.checkpoint.claim_device`).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from fedveil.data.images import ImageData
 from fedveil.data.partition import partition, to_federated
 from fedveil.errors import ConfigError
 from fedveil.experiments.attacks.runs import membership_run
+from fedveil.experiments.checkpoint import claim_device
 from fedveil.experiments.fedavg_images import FedAvgRun, ImageSplit, split_images, train_fedavg
 from fedveil.experiments.ppfl.attacks import (
     _attacker_head,
@@ -68,7 +69,7 @@ from fedveil.experiments.ppfl.attacks import (
     auxiliary_examples,
     ppfl_like,
 )
-from fedveil.experiments.ppfl.runner import TrainedPpfl, claim_device, train_ppfl
+from fedveil.experiments.ppfl.runner import TrainedPpfl, train_ppfl
 from fedveil.models.device import module_device, resolve_device
 from fedveil.protocols.ppfl import PpflConfig, conv_units
 

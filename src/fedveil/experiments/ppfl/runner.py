@@ -79,7 +79,10 @@ from fedveil.experiments.checkpoint import (
     CHECKPOINT,
     Checkpoint,
     StopAtRoundEnd,
+    claim_device,
     crash_point,
+    differing_settings,
+    identity_settings,
     load_checkpoint,
     prepare_run_dir,
     save_checkpoint,
@@ -110,20 +113,14 @@ from fedveil.runtime.quoting import SimulatedPlatform
 from fedveil.runtime.simulation import SimulationRuntime
 
 __all__ = [
-    "DEVICE_RECORD",
     "PpflRun",
     "TrainedPpfl",
-    "claim_device",
     "load_ppfl_run",
     "run_ppfl",
     "train_central",
     "train_e2e",
     "train_ppfl",
 ]
-
-DEVICE_RECORD = "device.json"
-"""The file of an output folder of parts (``fedveil ppfl attacks``, ``lira``, ``transfer``) that says
-where they were computed (:func:`claim_device`)."""
 
 EVALUATOR = "evaluator"
 SEALING_KEY = "sealing.key"
@@ -249,36 +246,6 @@ def _write_json(path: Path, value: Any) -> None:
     atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 
 
-def claim_device(out: Path, device: torch.device, *, artefacts: Sequence[str]) -> None:
-    """Make sure every part kept in ``out`` is computed on one device: record ``device`` (resolved by
-    :func:`~fedveil.models.device.resolve_device`, so a GPU is ``cuda:N`` however it was asked for) in
-    ``out/device.json``, or refuse, naming both devices, when the folder's parts were computed on another
-    (a resumed run never mixes them). A folder holding any of ``artefacts`` (glob patterns, e.g.
-    ``parts/*.json``) without the record was written before parts recorded their device, when fedveil
-    ran all of them on the CPU: it counts as the CPU's."""
-    record = out / DEVICE_RECORD
-    if record.is_file():
-        try:
-            earlier = str(json.loads(record.read_text(encoding="utf-8"))["device"])
-        except (ValueError, TypeError, KeyError):
-            raise ConfigError(
-                f'{record} is not a device record ({{"device": ...}}): delete {out} to compute its parts '
-                "afresh, or give another output folder"
-            ) from None
-    elif any(any(out.glob(pattern)) for pattern in artefacts):
-        earlier = "cpu"
-    else:
-        earlier = None
-    if earlier is not None and earlier != str(device):
-        raise ConfigError(
-            f"{out} holds parts computed on {earlier}, and this run is on {device}: resume it with device "
-            f"{earlier}, or give another output folder (or delete {out}) to compute every part on {device}"
-        )
-    if not record.is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(record, {"device": str(device)})
-
-
 def run_ppfl(
     run: PpflRun,
     out_dir: str | Path,
@@ -295,13 +262,15 @@ def run_ppfl(
     directory must be missing or empty, or ``overwrite`` clears it first."""
     say = progress or (lambda _line: None)
     torch.set_num_threads(run.threads)
-    resolve_device(run.device)  # a device this machine lacks fails before the run directory is touched
+    # a device this machine lacks fails before the run directory is touched
+    device = resolve_device(run.device)
     stages = run.ppfl.stages(_model(run, 10, 3, 32))  # a bad block size or train_last fails before loading
     out = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
     config = asdict(run)
     split = split_images(run.images())
     config["data_source"] = split.train.describe()
     config = json.loads(json.dumps(config, sort_keys=True))
+    mine = identity_settings(config)  # the device is compared as resolved, by claim_device
     ckpt = load_checkpoint(out) if resume else None
     if ckpt is not None and "sealed" in ckpt.arrays and not (out / SEALING_KEY).is_file():
         raise ConfigError(
@@ -310,29 +279,30 @@ def run_ppfl(
         )
     if resume and ckpt is None and (out / "results.json").is_file():
         saved = out / "config.json"
-        theirs = json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {}
-        if theirs != config:
-            differ = sorted(k for k in set(config) | set(theirs) if config.get(k) != theirs.get(k))
+        theirs = identity_settings(json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {})
+        if theirs != mine:
+            differ = differing_settings(mine, theirs)
             raise ConfigError(
                 f"{out} holds a finished run of another config ({', '.join(differ)}): resume with the config "
                 "it was run with, start afresh with --overwrite, or give another --out"
             )
+        claim_device(out, device, artefacts=("results.json",))
         say(f"{out} holds a finished run: its results.json stands")
         return dict(json.loads((out / "results.json").read_text(encoding="utf-8")))
-    if ckpt is not None and ckpt.meta.get("config") != config:
+    if ckpt is not None and identity_settings(ckpt.meta.get("config", {})) != mine:
+        differ = differing_settings(mine, identity_settings(ckpt.meta.get("config", {})))
         raise ConfigError(
-            f"{out} holds a checkpoint of another config: resume with the config it was started with, or "
-            "give another --out"
+            f"{out} holds a checkpoint of another config ({', '.join(differ)}): resume with the config it "
+            "was started with, or give another --out"
         )
+    claim_device(out, device, artefacts=(CHECKPOINT, "metrics.jsonl", "e2e.jsonl", "results.json"))
     _write_json(out / "config.json", config)
     secret = _sealing_secret(out)
     if split.train.synthetic:
         announce_stand_in(f"{split.train.name}, {split.train.source}", quiet=progress is None)
     else:
         say(split.train.describe())
-    state: dict[str, Any] = (
-        dict(ckpt.meta) if ckpt is not None else {"config": config, "stages": [], "seconds": 0.0}
-    )
+    state: dict[str, Any] = {"stages": [], "seconds": 0.0, **(ckpt.meta if ckpt else {}), "config": config}
     e2e: list[dict[str, Any]] | None = None
     stop = StopAtRoundEnd(f"PPFL run {run.name!r}")
 

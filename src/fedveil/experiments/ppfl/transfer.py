@@ -13,7 +13,7 @@ Everything trains on the config's ``device`` (:func:`~fedveil.models.device.reso
 server's public model (:func:`~fedveil.experiments.ppfl.runner.train_central`), each PPFL run's REEs and
 emulated client TEEs, and E2E FedAvg's clients; ``transfer.json`` records the resolved device. A sweep
 folder's runs are all computed on one device: resuming it on another is refused, naming both
-(:func:`~fedveil.experiments.ppfl.runner.claim_device`).
+(:func:`~fedveil.experiments.checkpoint.claim_device`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from typing import Any
 
 from fedveil.core.atomic import atomic_write
 from fedveil.errors import ConfigError
+from fedveil.experiments.checkpoint import claim_device
 from fedveil.experiments.fedavg_images import split_images
 from fedveil.experiments.plots import plot_series
-from fedveil.experiments.ppfl.runner import PpflRun, claim_device, run_ppfl, train_e2e
+from fedveil.experiments.ppfl.runner import PpflRun, run_ppfl, train_e2e
 from fedveil.models.device import resolve_device
 
 __all__ = ["run_transfer_sweep"]
