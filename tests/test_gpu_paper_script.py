@@ -98,7 +98,7 @@ def test_slices_stopped_mid_run_and_continued_from_their_bundles_end_as_the_unin
     assert first.returncode == 0, err
     assert "a signal stopped the run" in err and "not done" in err
     names, results = _bundled(tmp_path / "first-out")
-    assert {"run/pretrained.safetensors", "run/checkpoint.npz", "slices.log"} <= names
+    assert {"run/pretrained.safetensors", "run/checkpoint.npz", "run/device.json", "slices.log"} <= names
     assert "ours/0" not in results, "stopped mid-run"
     assert {p.name for p in (tmp_path / "first-out").iterdir()} == {"aiot-paper.tar.gz", "gpu-paper.log"}
 
