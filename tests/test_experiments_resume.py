@@ -116,7 +116,9 @@ def test_resume_refuses_another_config(tmp_path: Path, toy_population: Any) -> N
     run_experiment(
         load_config(None, [*SMALL, "rounds=1"]), tmp_path, progress=False, population=toy_population
     )
-    with pytest.raises(ConfigError, match="another config"):
+    with pytest.raises(
+        ConfigError, match=r"config\.yaml holds another config than this one \(rounds, seed\)"
+    ):
         run_experiment(
             load_config(None, [*SMALL, "rounds=2", "seed=9"]),
             tmp_path,
@@ -138,15 +140,6 @@ def test_a_run_resumes_on_its_device_however_spelled_and_on_no_other(
     assert json.loads((tmp_path / DEVICE_RECORD).read_text()) == {"device": "cpu"}
     on_cpu = load_config(None, [*SMALL, "rounds=2", "device=cpu"])
     assert run_experiment(on_cpu, tmp_path, progress=False, population=toy_population, resume=True)
-    with pytest.raises(ConfigError, match=r"config\.yaml holds another config than this one \(seed\)"):
-        run_experiment(
-            load_config(None, [*SMALL, "rounds=2", "seed=9"]),
-            tmp_path,
-            progress=False,
-            population=toy_population,
-            resume=True,
-        )
-
     ckpt = load_checkpoint(tmp_path)
     spelled = config_digest(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     assert ckpt.meta["config_sha256"] != spelled
