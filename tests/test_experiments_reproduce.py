@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import load_checkpoint
 from fedveil.experiments.fdml.reproduce import TABLES, mean_std, reproduce, run_curves
+from processes import wait_for_file
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 TINY = [
@@ -165,14 +165,6 @@ def _interruptible(cmd: list[str], **kwargs: Any) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for_checkpoint(proc: subprocess.Popen[str], run_dir: Path) -> None:
-    deadline = time.monotonic() + 300
-    while not (run_dir / "checkpoint.npz").is_file():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.2)
-
-
 def test_ctrl_c_stops_a_reproduction_at_a_round_boundary_and_says_how_to_resume(tmp_path: Path) -> None:
     """Ctrl-C on ``fedveil reproduce`` reaches its running ``fedveil run`` once; the run stops after the
     round it is in (not at its next evaluation: there is none before its 100,000th round), queued runs
@@ -185,7 +177,7 @@ def test_ctrl_c_stops_a_reproduction_at_a_round_boundary_and_says_how_to_resume(
     proc = _interruptible(cmd)
     first = tmp_path / "table1" / "table1_fdml" / "seed0"
     try:
-        _wait_for_checkpoint(proc, first)
+        wait_for_file(first / "checkpoint.npz", proc, 300, poll=0.2)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -35,6 +35,7 @@ from fedveil.experiments.checkpoint import (
 from fedveil.experiments.config import load_config
 from fedveil.experiments.fdml import runner
 from fedveil.experiments.fdml.runner import run_experiment
+from test_cli_aiot_run import tiny_aiot
 
 CONFIG = Path(__file__).parents[1] / "configs" / "table1_fdml.yaml"
 # plain FDML (no emulated TEE), 6 + 6 synthetic users: a round takes about 0.1 s
@@ -267,23 +268,8 @@ threads: 1
 e2e: false
 ppfl: {rounds_per_stage: 100000, local_epochs: 1, batch_size: 8, lr: 0.05, eval_every: 1000}
 """
-AIOT = """
-name: tiny
-size: 32
-width: 0.25
-public_identities: 20
-pretrain_epochs: 1
-private_identities: 12
-test_identities: 6
-wild: 2
-identities_per_device: 3
-rounds: 100000
-clients_per_round: 2
-batch_size: 4
-trials: 1
-methods: [pretrained, ours]
-threads: 1
-"""
+AIOT_SETTINGS = {"rounds": 100000, "trials": 1, "methods": ["pretrained", "ours"]}
+AIOT = tiny_aiot(**AIOT_SETTINGS)
 POLIFL = """
 name: tiny
 task: mpu
@@ -360,7 +346,7 @@ def test_feduv_and_aiot_runs_killed_mid_method_resume_to_the_uninterrupted_resul
     tmp_path: Path, system: str, point: str
 ) -> None:
     config = tmp_path / "c.yaml"
-    config.write_text(AIOT.replace("rounds: 100000", "rounds: 3"))
+    config.write_text(tiny_aiot(**{**AIOT_SETTINGS, "rounds": 3}))
     feduv = ["feduv", "run", *FEDUV, "--methods", "softmax,feduv", "--rounds", "4", "--no-progress"]
     cmd = ["aiot", "run", str(config)] if system == "aiot" else feduv
     assert main([*cmd, "--out", str(tmp_path / "whole")]) == 0

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from fedveil.privacy.codewords import Codeword
 from fedveil.protocols.feduv import FedUVMethod, UvClients, UvModel
 from fedveil.protocols.feduv_messages import BaseVector, CodewordReady
 from fedveil.runtime.network import certs
+from processes import wait_for_file
 from test_protocols_feduv import TinyNet
 from test_runtime_network_processes import _free_port
 
@@ -31,14 +31,6 @@ RUN = [
     "--unseen-writers", "2", "--train-examples", "4", "--width-divisor", "32", "--no-progress", "--json",
 ]  # fmt: skip
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-
-
-def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.is_file():
-        assert proc.poll() is None, f"the server exited with {proc.returncode} before writing {path.name}"
-        assert time.monotonic() < deadline, f"no {path.name} after {timeout:g} s"
-        time.sleep(0.05)
 
 
 def test_a_server_killed_between_rounds_resumes_after_its_checkpoint_with_the_agent_kept(
@@ -62,7 +54,7 @@ def test_a_server_killed_between_rounds_resumes_after_its_checkpoint_with_the_ag
     try:
         # killed after round 2's checkpoint, before round 3 is sent: the agent has drawn nothing for it
         server = start(server_cmd, "server-1.log", **{CRASH_ENV: "round:3"})
-        _wait_for_file(run / "config.json", server, 30)
+        wait_for_file(run / "config.json", server, 30)
         creds = tmp_path / "creds"
         for name in agent_clients(run / "config.json", "feduv", 127).client_ids():
             certs.issue_device(pki, name).write(creds / name)

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,28 +25,13 @@ import torch
 from fedveil.experiments.aiot import runner as aiot
 from fedveil.experiments.aiot.runner import load_aiot_run
 from fedveil.models.device import module_device
+from processes import wait_for_file
+from test_cli_aiot_run import tiny_aiot
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu-paper"
 
-TINY = """
-name: tiny
-size: 32
-width: 0.25
-public_identities: 20
-pretrain_epochs: 1
-private_identities: 12
-test_identities: 6
-wild: 2
-identities_per_device: 3
-rounds: 3
-clients_per_round: 2
-batch_size: 4
-trials: 1
-methods: [pretrained, solo, ours]
-solo_devices: 2
-threads: 1
-"""
+TINY = tiny_aiot(rounds=3, trials=1, methods=["pretrained", "solo", "ours"], solo_devices=2)
 
 
 def _env(tmp_path: Path, name: str, **extra: str) -> dict[str, str]:
@@ -72,14 +56,6 @@ def _bundled(out: Path) -> tuple[set[str], dict[str, Any]]:
     return names, results
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 90.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        assert proc.poll() is None, f"the slice ended before {path} existed: {proc.communicate()}"
-        assert time.monotonic() < deadline, f"no {path} after {seconds} s"
-        time.sleep(0.05)
-
-
 def test_slices_stopped_mid_run_and_continued_from_their_bundles_end_as_the_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
@@ -92,7 +68,7 @@ def test_slices_stopped_mid_run_and_continued_from_their_bundles_end_as_the_unin
     first = subprocess.Popen(
         [str(SCRIPT), "--dry-run"], env=_env(tmp_path, "first"), stderr=subprocess.PIPE, text=True
     )
-    _wait_for(tmp_path / "first-work" / "run" / "checkpoint.npz", first)
+    wait_for_file(tmp_path / "first-work" / "run" / "checkpoint.npz", first, 90)
     first.send_signal(signal.SIGINT)
     _, err = first.communicate(timeout=60)
     assert first.returncode == 0, err
