@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
+from fedveil.cli import main
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import (
     DEVICE_RECORD,
@@ -21,6 +22,7 @@ from fedveil.experiments.checkpoint import (
     identity_settings,
     load_checkpoint,
     save_checkpoint,
+    saved_settings,
 )
 from fedveil.experiments.config import config_to_dict, load_config
 from fedveil.experiments.fdml.runner import run_experiment
@@ -29,6 +31,7 @@ from fedveil.protocols.fdml import FDMLServer
 from fedveil.protocols.fedavg import FedAvgServer
 from test_experiments_runner import SMALL as RUNNER_SMALL
 
+TABLE1 = Path(__file__).resolve().parents[1] / "configs" / "table1_fdml.yaml"
 SMALL = [
     *RUNNER_SMALL,
     "enclave.boundary=inprocess",
@@ -153,6 +156,35 @@ def test_a_run_resumes_on_its_device_however_spelled_and_on_no_other(
     message = r"computed on cuda:0, and this run is on cpu: resume it with --device cuda:0"
     with pytest.raises(ConfigError, match=message):
         run_experiment(cfg, tmp_path, progress=False, population=toy_population, resume=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "why"),
+    [
+        ("config.json", b'{"rounds": 3', "Expecting"),
+        ("config.json", b"[1, 2]", "a list, not a mapping of settings"),
+        ("config.json", b"\xff\xfe", "'utf-8' codec can't decode"),
+        ("config.yaml", b"rounds: [1", "while parsing"),
+        ("config.yaml", b"", "empty"),
+    ],
+)
+def test_a_damaged_run_config_is_one_clear_error_naming_it(
+    tmp_path: Path, name: str, data: bytes, why: str
+) -> None:
+    """A run's recorded settings that are truncated, edited or not UTF-8 are refused naming the file, the
+    reason and what to do, never a traceback."""
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ConfigError, match=rf"{name} is not a readable run config \({why}.*--overwrite"):
+        saved_settings(tmp_path / name)
+
+
+def test_a_resumed_fdml_run_with_a_damaged_config_yaml_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.yaml").write_text("- not\n- a mapping\n")
+    assert main(["run", str(TABLE1), "--out", str(tmp_path), "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.yaml is not a readable run config (a list" in err, err
 
 
 def test_identity_settings_leave_out_the_device_and_the_free_settings() -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import yaml
 
 from fedveil.core.atomic import atomic_file, atomic_write, fsync_dir
 from fedveil.errors import ConfigError
@@ -148,6 +149,25 @@ def identity_settings(settings: Mapping[str, Any], *, free: Iterable[str] = ()) 
     CPU on a machine without CUDA): a run records the device it resolved to (:func:`claim_device`)."""
     skip = {"device", *free}
     return {k: v for k, v in json.loads(json.dumps(dict(settings), default=str)).items() if k not in skip}
+
+
+def saved_settings(path: Path) -> dict[str, Any]:
+    """The settings a run recorded in ``path`` (``config.json``, or YAML for a ``.yaml`` file), or a
+    :class:`~fedveil.errors.ConfigError` naming the file when it is not a readable mapping of settings
+    (truncated, edited, not UTF-8)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        value = yaml.safe_load(text) if path.suffix == ".yaml" else json.loads(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        value, why = None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    else:
+        why = "empty" if value is None else f"a {type(value).__name__}, not a mapping of settings"
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{path} is not a readable run config ({why}): start afresh with --overwrite, or choose "
+            "another --out"
+        )
+    return value
 
 
 def differing_settings(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:

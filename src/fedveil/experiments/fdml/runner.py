@@ -52,6 +52,7 @@ from fedveil.experiments.checkpoint import (
     load_checkpoint,
     prepare_run_dir,
     save_checkpoint,
+    saved_settings,
 )
 from fedveil.experiments.config import ExperimentConfig, config_to_dict
 from fedveil.experiments.fdml.figures import write_run_plots
@@ -476,7 +477,7 @@ def _prepare_run(
     previous = load_checkpoint(out) if resume else None
     saved = out / "config.yaml"
     if resume and saved.exists():
-        theirs = identity_settings(yaml.safe_load(saved.read_text("utf-8")) or {})
+        theirs = identity_settings(saved_settings(saved))
         if theirs != mine:
             raise ConfigError(
                 f"{saved} holds another config than this one ({', '.join(differing_settings(mine, theirs))}):"

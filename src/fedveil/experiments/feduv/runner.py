@@ -69,6 +69,7 @@ from fedveil.experiments.checkpoint import (
     load_checkpoint,
     prepare_run_dir,
     save_checkpoint,
+    saved_settings,
 )
 from fedveil.experiments.config import load_run_config, refuse_keys_without_effect
 from fedveil.experiments.plots import series_figure
@@ -580,12 +581,7 @@ def _claim_run_dir(out: Path, cfg: FeduvRunConfig, device: torch.device | None) 
     mine = _config_dict(cfg)
     path = out / "config.json"
     if path.is_file():
-        try:
-            theirs = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"{str(path)!r} is not a readable run config ({exc}); use another --out"
-            ) from None
+        theirs = saved_settings(path)
         differ = differing_settings(
             identity_settings(mine, free=FREE_SETTINGS), identity_settings(theirs, free=FREE_SETTINGS)
         )

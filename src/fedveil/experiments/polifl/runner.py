@@ -61,6 +61,7 @@ from fedveil.experiments.checkpoint import (
     differing_settings,
     identity_settings,
     prepare_run_dir,
+    saved_settings,
 )
 from fedveil.experiments.config import load_run_config
 from fedveil.experiments.plots import Note, Reference, series_figure
@@ -1148,7 +1149,7 @@ def _claim_run_dir(out: Path, run: PolifLRun, device: torch.device) -> None:
     mine = json.loads(json.dumps(settings, default=str))
     path = out / "config.json"
     if path.is_file():
-        theirs = json.loads(path.read_text(encoding="utf-8"))
+        theirs = saved_settings(path)
         differ = differing_settings(identity_settings(mine), identity_settings(theirs))
         if differ:
             raise ConfigError(

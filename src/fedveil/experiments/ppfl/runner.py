@@ -86,6 +86,7 @@ from fedveil.experiments.checkpoint import (
     load_checkpoint,
     prepare_run_dir,
     save_checkpoint,
+    saved_settings,
 )
 from fedveil.experiments.config import load_run_config
 from fedveil.experiments.fdml.runner import device_sessions
@@ -279,7 +280,7 @@ def run_ppfl(
         )
     if resume and ckpt is None and (out / "results.json").is_file():
         saved = out / "config.json"
-        theirs = identity_settings(json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {})
+        theirs = identity_settings(saved_settings(saved) if saved.is_file() else {})
         if theirs != mine:
             differ = differing_settings(mine, theirs)
             raise ConfigError(
