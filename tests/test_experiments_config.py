@@ -142,6 +142,11 @@ def test_a_file_key_its_own_setting_ignores_is_refused_but_an_override_may_switc
     path = _write(tmp_path, {"protocol": "fdml", "fedavg": {"lr": 0.5}})
     with pytest.raises(ConfigError, match=r"fedavg\.lr=0\.5 has no effect: protocol is 'fdml'"):
         load_config(path, refuse_ignored=True)
+    # a key the setting ignores at its default value has no effect either way: a run's resolved
+    # config.yaml states every setting, and it runs again as it is
+    default_lr = load_config(None).fedavg.lr
+    stated = _write(tmp_path, {"protocol": "fdml", "fedavg": {"lr": default_lr}})
+    assert load_config(stated, refuse_ignored=True).fedavg.lr == default_lr
     fdml_file = ROOT / "table1_fdml.yaml"  # its fdml: section is moot once protocol=fedavg is asked for
     assert load_config(fdml_file, ["protocol=fedavg"], refuse_ignored=True).protocol == "fedavg"
     items = ["protocol=fedavg", "fdml.lr=0.5", "fedavg.lr=0.5"]

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fedveil import cli
 from fedveil.cli import main
 from fedveil.errors import ConfigError
 from fedveil.experiments.checkpoint import (
@@ -256,6 +257,26 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path: Path) -> No
     assert "--resume" in err.strip().splitlines()[-1]
 
 
+def test_a_ctrl_c_outside_the_runs_own_handling_still_says_how_to_continue(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C that lands where no runner turns it into a stop (before the rounds begin, or while a stop
+    that the first Ctrl-C asked for is being reported, as a quick second Ctrl-C can) ends a command that
+    resumes with the command that continues; any other command exits 130."""
+
+    def ctrl_c(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run", ctrl_c)
+    cmd = ["run", str(CONFIG), "--out", str(tmp_path / "x"), "--no-progress"]
+    assert main(cmd) == 2
+    again = shlex.join(["fedveil", *cmd, "--resume"])
+    assert capsys.readouterr().err == f"fedveil run: interrupted; continue with: {again}\n"
+    epsilon = ["--mechanism", "gaussian", "--noise-multiplier", "1", "--steps", "1", "--delta", "1e-5"]
+    assert main(["privacy", "epsilon", *epsilon]) == 130
+    assert capsys.readouterr().err == "fedveil privacy: interrupted\n"
+
+
 PPFL = """
 name: tiny
 data: synthetic-fashion-mnist:600
@@ -465,3 +486,15 @@ def test_a_ctrl_c_while_the_process_exits_prints_no_traceback() -> None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 2 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_a_run_directorys_config_yaml_runs_again_to_the_same_model(tmp_path: Path) -> None:
+    """``config.yaml`` states every setting of the run, those its setting ignores at their defaults too:
+    ``fedveil run DIR/config.yaml`` accepts it as it is and trains the same model."""
+    first, again = tmp_path / "first", tmp_path / "again"
+    assert main(["run", str(CONFIG), "--out", str(first), "--no-progress", *_sets(TINY)]) == 0
+    assert main(["run", str(first / "config.yaml"), "--out", str(again), "--no-progress"]) == 0
+    assert (again / "config.yaml").read_text() == (first / "config.yaml").read_text()
+    np.testing.assert_array_equal(
+        load_checkpoint(again).arrays["weights"], load_checkpoint(first).arrays["weights"]
+    )

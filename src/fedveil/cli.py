@@ -67,6 +67,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.command
     if name in TRAINING_COMMANDS:
         retain_freed_memory()
+    try:
+        return _run(args, argv, name)
+    except KeyboardInterrupt:
+        # a Ctrl-C outside a run's own handling: before its rounds began, or while the stop that a
+        # first Ctrl-C asked for is being reported. A run's checkpoints are written atomically, so a
+        # command that resumes can always continue from the last one.
+        if hasattr(args, "resume"):
+            print(
+                f"fedveil {name}: interrupted; continue with: {continue_command(argv, args)}", file=sys.stderr
+            )
+            return 2
+        print(f"fedveil {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str], name: str) -> int:
+    """Run the command ``args`` chose; its errors as one line on stderr and an exit status."""
     from fedveil.runtime.threads import blas_threads  # numpy: not needed for --help
 
     try:
@@ -75,9 +92,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunInterrupted as exc:
         print(f"fedveil {name}: {exc}; continue with: {continue_command(argv, args)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"fedveil {name}: interrupted", file=sys.stderr)
-        return 130
     except FedveilError as exc:
         print(f"fedveil {name}: error: {exc}", file=sys.stderr)
         return 2

@@ -438,8 +438,10 @@ def load_run_config(
     :func:`build_dataclass` checks, so that a wrong key or value fails before any training, named.
 
     ``unused(cfg)`` gives the rules (:func:`keys_without_effect`) of the keys ``cfg``'s setting ignores:
-    a key of the file that the file's own setting ignores is refused naming the file, and so is an
-    override that the final setting ignores (an override that makes a file key moot is its intent)."""
+    a key of the file that the file's own setting ignores is refused naming the file, unless it holds its
+    default value (a run's resolved config states every setting, so that it can be run again as it is),
+    and so is an override that the final setting ignores (an override that makes a file key moot is its
+    intent)."""
     file_raw = {} if path is None else read_yaml_mapping(path)
     given = dict(overrides or {})
     cfg = build_dataclass(cls, _merge(file_raw, given), base)
@@ -448,7 +450,12 @@ def load_run_config(
             as_filed = build_dataclass(cls, file_raw, base)
         except ConfigError:  # the file needs its overrides to be a config at all
             as_filed = cfg
-        refuse_keys_without_effect(file_raw, unused(as_filed), f"{path}: ")
+        try:
+            defaults = _dotted(config_to_dict(build_dataclass(cls, {}, base)))
+        except ConfigError:  # settings without a default: every key of the file is the file's choice
+            defaults = {}
+        stated = {k: v for k, v in _dotted(file_raw).items() if k not in defaults or defaults[k] != v}
+        refuse_keys_without_effect(stated, unused(as_filed), f"{path}: ")
         refuse_keys_without_effect(given, unused(cfg))
     return cfg
 
