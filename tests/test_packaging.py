@@ -89,6 +89,14 @@ def test_the_cpu_constraints_pin_the_exact_wheel_and_every_install_command_uses_
     readme = (ROOT / "README.md").read_text()
     quick_start = [line for line in readme.splitlines() if line.startswith("python3 -m pip install -e . ")]
     assert quick_start and all("-c constraints/cpu.txt" in line for line in quick_start), quick_start
+    # every install of fedveil the docs show (its extras too) keeps the CPU wheel, but for --no-deps
+    shown = [
+        line
+        for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+        for line in page.read_text().splitlines()
+        if re.match(r"\s*(python3 -m )?pip install -e ", line) and "--no-deps" not in line
+    ]
+    assert len(shown) >= 4 and all("-c constraints/cpu.txt" in line for line in shown), shown
     assert "scripts/bootstrap" in (ROOT / ".ci" / "run").read_text()
 
 
