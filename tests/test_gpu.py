@@ -155,7 +155,7 @@ def test_fdml_devices_gradients_on_cuda_equal_the_cpus() -> None:
 
 
 def test_fdml_rounds_on_cuda_follow_the_cpus_and_the_enclave_gets_host_arrays(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     seen: list[type] = []
     for name in ("seal_embeddings", "seal_gradient"):
@@ -183,6 +183,17 @@ def test_fdml_rounds_on_cuda_follow_the_cpus_and_the_enclave_gets_host_arrays(
     assert seen and set(seen) == {np.ndarray}
     assert len(losses["cpu"]) == 3
     assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-3)
+    # the run records the GPU as resolved: ``auto`` resumes it, the CPU is refused naming both
+    gpu = f"cuda:{torch.cuda.current_device()}"
+    assert json.loads((tmp_path / "cuda" / "device.json").read_text()) == {"device": gpu}
+    again = ["run", str(REPO / "configs/table1_fdml.yaml"), "--out", str(tmp_path / "cuda"), "--no-progress"]
+    again += [a for s in sets for a in ("--set", s)]
+    assert main([*again, "--resume"]) == 0
+    capsys.readouterr()
+    assert main([*again, "--resume", "--device", "cpu"]) == 2
+    assert (
+        f"computed on {gpu}, and this run is on cpu: resume it with --device {gpu}" in capsys.readouterr().err
+    )
 
 
 def test_dlg_on_cuda_poses_and_starts_the_cpus_problem() -> None:
