@@ -290,8 +290,8 @@ def run_ppfl(
         claim_device(out, device, artefacts=("results.json",))
         say(f"{out} holds a finished run: its results.json stands")
         return dict(json.loads((out / "results.json").read_text(encoding="utf-8")))
-    if ckpt is not None and identity_settings(ckpt.meta.get("config", {})) != mine:
-        differ = differing_settings(mine, identity_settings(ckpt.meta.get("config", {})))
+    differ = [] if ckpt is None else differing_settings(mine, identity_settings(ckpt.meta.get("config", {})))
+    if differ:
         raise ConfigError(
             f"{out} holds a checkpoint of another config ({', '.join(differ)}): resume with the config it "
             "was started with, or give another --out"
